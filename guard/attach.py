@@ -1,0 +1,373 @@
+"""`attach()` and the Guard: wiring of hooks, step boundaries, actions, stats and sinks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections import Counter
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from guard.checks import nonfinite_count
+from guard.decide import Violation, evaluate, thresholds
+from guard.discovery import Heads, discover
+from guard.errors import AttachError, GuardViolation, PolicyError
+from guard.flags import Flags, HostFlags, Slot
+from guard.hooks import Probe, ProbeConfig
+from guard.policy import Policy, coerce_policy, default_run_id
+from guard.report import build_report, empty_stats
+from guard.sinks import Sink
+from guard.vocab import Audit, audit_sizes
+
+__all__ = ["Guard", "attach", "audit"]
+
+log = logging.getLogger("guard")
+
+# Models with a guard attached: a second attach would double-count and double-mask.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
+
+_STEP_CHECKS = ("padding_mass", "nonfinite", "token_range", "loss_spike")
+# Warnings per check: every one of the first few, then one in this many, so a run that warns
+# every step still shows its first occurrences without flooding the log.
+_LOG_FIRST, _LOG_EVERY = 5, 100
+
+
+def _rank() -> tuple[int, int]:
+    """(global rank, local rank) from torch.distributed, else torchrun's environment."""
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    else:
+        rank = int(os.environ.get("RANK", "0"))
+    return rank, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _real_vocab(vocab_size: int | None, tokenizer: Any, policy: Policy, rows: int) -> int:
+    sources: dict[str, int] = {}
+    if vocab_size is not None:
+        sources["vocab_size="] = vocab_size
+    if policy.vocab.real_size is not None:
+        sources["policy vocab.real_size"] = policy.vocab.real_size
+    if tokenizer is not None:
+        try:
+            sources["len(tokenizer)"] = len(tokenizer)
+        except TypeError:
+            raise AttachError(
+                f"tokenizer= must support len() (got {type(tokenizer).__name__}); "
+                "pass vocab_size=<ids the tokenizer can produce> instead"
+            ) from None
+    for name, n in sources.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise AttachError(f"{name} must be a positive int, got {n!r}")
+    if len(set(sources.values())) > 1:
+        seen = ", ".join(f"{k} {v}" for k, v in sources.items())
+        raise AttachError(f"the real vocab size is ambiguous: {seen}; give one of them")
+    return next(iter(sources.values()), rows)
+
+
+def _reject_unbuilt(policy: Policy) -> None:
+    """Actions whose implementation has not landed raise instead of passing silently."""
+    problems = [
+        f"checks.{c}.action: 'skip' is not implemented yet; choose fail, warn or off"
+        for c in ("nonfinite", "loss_spike")
+        if getattr(policy.checks, c).action == "skip"
+    ]
+    if problems:
+        raise PolicyError("<attach>", problems)
+
+
+class Guard:
+    """A guard attached to one model; see `attach`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        heads: Heads,
+        policy: Policy,
+        audit: Audit,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> None:
+        self.model, self.heads, self.policy, self.audit = model, heads, policy, audit
+        self.optimizer = optimizer
+        self.rank, self.local_rank = _rank()
+        self.run_id = policy.run_id or default_run_id()
+        self.real = audit.real
+        self.rows = audit.rows
+        c = policy.checks
+        self.cfg = ProbeConfig(
+            real=min(audit.real, audit.rows),
+            rows=audit.rows,
+            padding_mass=c.padding_mass.action != "off",
+            mask=c.padding_mass.action == "mask",
+            sample_tokens=c.padding_mass.sample_tokens,
+            exact=c.padding_mass.exact,
+            nonfinite=c.nonfinite.action != "off",
+            token_range=c.token_range.action != "off",
+            ignore_index=c.token_range.ignore_index,
+        )
+        device = next((p.device for p in heads.lm_head.parameters()), torch.device("cpu"))
+        self.flags = Flags(device, thresholds(policy), self.rank)
+        self.probe = Probe(self.cfg, self.flags)
+        # Only warn/mask/off: the host may read one step late and never stall the device.
+        self.lagged = all(policy.action(ch) in ("warn", "mask", "off") for ch in _STEP_CHECKS)
+        self.sinks: list[Sink] = []
+        self._handles: list[RemovableHandle] = []
+        self._step = 0
+        self._read_step = 0  # step whose values a lagged read returns next
+        self._explicit = False
+        self._loss: torch.Tensor | None = None
+        self._loss_src: torch.Tensor | None = None
+        self._stats = empty_stats()
+        self._violations: dict[str, Counter[str]] = {}
+        self._events: list[Violation] = []
+        self._halted: str | None = None
+        self._detached = False
+
+    # -- public ------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """A plain-dict snapshot as of the last host read (DESIGN.md)."""
+        s = dict(self._stats)
+        s["nonfinite"] = dict(s["nonfinite"])
+        s["out_of_range"] = dict(s["out_of_range"])
+        s["violations"] = {c: dict(a) for c, a in self._violations.items()}
+        return s
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {"real": self.audit.real, "rows": self.audit.rows, "aligned": self.audit.aligned}
+
+    def add_sink(self, sink: Sink) -> None:
+        bind = getattr(sink, "bind", None)
+        if callable(bind):
+            bind(self.run_id, self.rank)
+        self.sinks.append(sink)
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        """Feed the loss; without `optimizer=`, also mark an optimizer-step boundary."""
+        if self._detached:
+            raise AttachError("this guard is detached; attach a new one")
+        if loss is not None:
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"g.step(loss): expected a tensor, got {type(loss).__name__}")
+            self._record_loss(loss)
+        if self.optimizer is None:
+            self._explicit = True
+            self._boundary()
+
+    def detach(self) -> None:
+        """Remove every hook, report the last values, close the sinks. Idempotent."""
+        if self._detached:
+            return
+        self._detached = True
+        for h in self.probe.handles + self._handles:
+            h.remove()
+        self.probe.handles.clear()
+        self._handles.clear()
+        _ATTACHED.pop(self.model, None)
+        try:
+            self._fold_loss()
+            pending = self.flags.flush()
+            if pending is not None:
+                self._apply(pending, self._read_step, raise_fail=False)
+            current = self.flags.read(lagged=False)
+            if current is not None and self._step > self._read_step:
+                self._apply(current, self._step, raise_fail=False)
+        finally:
+            self._emit(final=True)
+            for sink in self.sinks:
+                sink.close()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        state = "detached" if self._detached else f"step {self._step}"
+        return (f"<Guard {self.run_id} rank {self.rank} on {self.heads.lm_head_name}: "
+                f"real {self.real} rows {self.rows}, {state}>")
+
+    # -- wiring ------------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        self.probe.on_loss = self._record_loss
+        self.probe.on_forward_end = self._forward_end
+        self.probe.install(self.model, self.heads.embedding, self.heads.lm_head)
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
+        _ATTACHED[self.model] = self
+
+    def _forward_end(self) -> None:
+        if self.optimizer is None and not self._explicit:
+            self._boundary()
+
+    def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._boundary()  # before the update, so `fail` leaves the weights untouched
+
+    def _record_loss(self, loss: torch.Tensor) -> None:
+        if loss is self._loss_src:
+            return  # the model's output loss fed again through g.step(loss)
+        if self._loss is not None:  # gradient accumulation: count the earlier micro-batch
+            self.flags.add(Slot.NF_LOSS, nonfinite_count(self._loss))
+        self._loss_src, self._loss = loss, loss.detach()
+
+    def _fold_loss(self) -> None:
+        if self._loss is None:
+            return
+        loss, self._loss, self._loss_src = self._loss, None, None
+        self.flags.follow(loss.device)
+        self.flags.set(Slot.LOSS, loss.to(self.flags.t.dtype))
+        self.flags.t[Slot.LOSS_SEEN].fill_(1.0)
+        if self.cfg.nonfinite:
+            self.flags.add(Slot.NF_LOSS, nonfinite_count(loss))
+
+    def _boundary(self) -> None:
+        self._step += 1
+        self.probe.step = self._step
+        self._fold_loss()
+        if self._step % self.policy.cadence.read_every:
+            return
+        # On the CPU a copy to the host is the read itself: nothing to gain from lagging.
+        lagged = self.lagged and self.flags.device.type == "cuda"
+        values = self.flags.read(lagged=lagged)
+        step = self._read_step if lagged else self._step
+        self._read_step = self._step
+        if values is not None:
+            self._apply(values, step, raise_fail=True)
+
+    # -- host side, at a read ----------------------------------------------------------------
+
+    def _apply(self, values: HostFlags, step: int, *, raise_fail: bool) -> None:
+        local, glob, who = values
+        s = self._stats
+        s["step"] = step
+        if local[Slot.LOSS_SEEN]:
+            s["loss"] = local[Slot.LOSS]
+        if local[Slot.PM_COUNT]:
+            s["padding_mass"] = local[Slot.PM_SUM] / local[Slot.PM_COUNT]
+            s["padding_mass_max"] = local[Slot.PM_MAX]
+        for key, slot in (("logits", Slot.NF_LOGITS), ("hidden", Slot.NF_HIDDEN),
+                          ("loss", Slot.NF_LOSS)):
+            s["nonfinite"][key] += int(local[slot])
+        s["out_of_range"]["input"] += int(local[Slot.OOR_INPUT])
+        s["out_of_range"]["label"] += int(local[Slot.OOR_LABEL])
+        found = evaluate(glob, who, step=step, rank=self.rank, policy=self.policy,
+                         real=self.cfg.real, rows=self.rows)
+        for v in found:
+            self._record(v)
+        self._emit()
+        fail = next((v for v in found if v.action == "fail"), None)
+        if fail is not None:
+            self._halted = fail.check
+            self._emit()
+            if raise_fail:
+                raise GuardViolation(fail.message, check=fail.check, step=fail.step,
+                                     rank=fail.rank, value=fail.value,
+                                     threshold=fail.threshold, action="fail")
+            log.error("%s", fail.message)
+
+    def _record(self, v: Violation) -> None:
+        counts = self._violations.setdefault(v.check, Counter())
+        counts[v.action] += 1
+        self._events.append(v)
+        n = counts[v.action]
+        if v.action != "fail" and (n <= _LOG_FIRST or n % _LOG_EVERY == 0):
+            suffix = f" (occurrence {n})" if n > 1 else ""
+            log.warning("%s%s", v.message, suffix)
+
+    def _emit(self, *, final: bool = False) -> None:
+        if not self.sinks:
+            self._events.clear()
+            return
+        report = build_report(self.stats, events=self._events, halted=self._halted,
+                              vocab=self.vocab, final=final)
+        self._events = []
+        for sink in self.sinks:
+            try:
+                sink.emit(report)
+            except Exception:  # a sink must never stop training
+                log.exception("guard: sink %r failed; continuing", sink)
+
+    def _attach_checks(self) -> None:
+        """alignment and vocab, before any hook: `fail` stops the job before step 1."""
+        multiple = self.audit.pad_multiple * self.audit.tensor_parallel
+        for check, problems in (("alignment", self.audit.alignment_problems),
+                                ("vocab", self.audit.vocab_problems)):
+            action = self.policy.action(check)
+            if action == "off" or not problems:
+                continue
+            next_ = "stopping before the first step (action: fail)" if action == "fail" \
+                else "continuing (action: warn)"
+            message = (f"{check} on rank {self.rank} at attach: {'; '.join(problems)}; "
+                       f"{next_}. Fix: build embedding and lm_head with {self.audit.aligned} rows "
+                       f"(a multiple of {multiple}) and mask columns [{self.real}, "
+                       f"{self.audit.aligned}) with checks.padding_mass.action: mask.")
+            value = float(self.rows if check == "alignment" else self.real)
+            threshold = float(multiple if check == "alignment" else self.rows)
+            v = Violation(check, action, 0, self.rank, value, threshold, message)
+            self._record(v)
+            if action == "fail":
+                self._halted = check
+                raise GuardViolation(message, check=check, step=0, rank=self.rank, value=value,
+                                     threshold=threshold, action="fail")
+
+
+def audit(
+    model: nn.Module,
+    *,
+    vocab_size: int | None = None,
+    tokenizer: Any = None,
+    tensor_parallel: int = 1,
+    pad_multiple: int = 64,
+    embedding: nn.Module | None = None,
+    lm_head: nn.Module | None = None,
+) -> Audit:
+    """The three vocab sizes of `model`, tied or not, and alignment for TP 1/2/4/8."""
+    heads = discover(model, embedding=embedding, lm_head=lm_head)
+    real = _real_vocab(vocab_size, tokenizer, Policy(), heads.head_rows)
+    return audit_sizes(real=real, rows=heads.head_rows, embedding_rows=heads.embedding_rows,
+                       tied=heads.tied, pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
+
+
+def attach(
+    model: nn.Module,
+    *,
+    policy: Policy | dict[str, Any] | str | os.PathLike[str] | None = None,
+    vocab_size: int | None = None,
+    tokenizer: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    embedding: nn.Module | None = None,
+    lm_head: nn.Module | None = None,
+) -> Guard:
+    """Hook the embedding and lm_head of `model` and check every step (DESIGN.md)."""
+    pol = coerce_policy(policy)
+    _reject_unbuilt(pol)
+    if isinstance(model, nn.Module) and model in _ATTACHED:
+        raise AttachError(
+            f"a guard is already attached to this model ({_ATTACHED[model]!r}); "
+            "call detach() on it first"
+        )
+    heads = discover(model, embedding=embedding, lm_head=lm_head)
+    real = _real_vocab(vocab_size, tokenizer, pol, heads.head_rows)
+    aud = audit_sizes(real=real, rows=heads.head_rows, embedding_rows=heads.embedding_rows,
+                      tied=heads.tied, pad_multiple=pol.vocab.pad_multiple,
+                      tensor_parallel=pol.vocab.tensor_parallel)
+    g = Guard(model, heads, pol, aud, optimizer)
+    g._attach_checks()
+    if pol.checks.loss_spike.action != "off":
+        log.warning("guard: checks.loss_spike is not implemented in this version; it is off "
+                    "(set checks.loss_spike.action: off to silence this)")
+    g._install()
+    log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
+             str(aud).splitlines()[0])
+    return g

@@ -1,0 +1,124 @@
+"""Finding the token embedding and the output head (lm_head) of a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from guard.errors import AttachError
+
+__all__ = ["Heads", "discover"]
+
+# Names used by nanoGPT, HF, Llama-style and Megatron-style code for the output projection.
+_HEAD_NAMES = ("lm_head", "output", "head", "output_layer", "embed_out", "cls")
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The two modules the guard hooks, and whether they share one weight."""
+
+    embedding: nn.Module
+    lm_head: nn.Module
+    embedding_name: str
+    lm_head_name: str
+
+    @property
+    def tied(self) -> bool:
+        w_in, w_out = _weight(self.embedding), _weight(self.lm_head)
+        return w_in is not None and w_in is w_out
+
+    @property
+    def embedding_rows(self) -> int:
+        return _rows(self.embedding, self.embedding_name)
+
+    @property
+    def head_rows(self) -> int:
+        return _rows(self.lm_head, self.lm_head_name)
+
+
+def _weight(m: nn.Module) -> object:
+    return getattr(m, "weight", None)
+
+
+def _rows(m: nn.Module, name: str) -> int:
+    w = getattr(m, "weight", None)
+    if w is None or w.dim() != 2:
+        raise AttachError(f"{name} ({type(m).__name__}) has no 2-D weight; pass embedding= / lm_head=")
+    return int(w.shape[0])  # Embedding (rows, d) and Linear (out, in) both keep the vocab first
+
+
+def _name_of(model: nn.Module, target: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is target:
+            return name or "<model>"
+    return f"<{type(target).__name__} outside the model>"
+
+
+def _hf_heads(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if not (callable(get_in) and callable(get_out)):
+        return None, None
+    try:
+        return get_in(), get_out()
+    except (NotImplementedError, AttributeError):
+        return None, None
+
+
+def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    named = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in _HEAD_NAMES]
+    if len(named) == 1:
+        return named[0][1]
+    rows = getattr(emb, "num_embeddings", None)
+    shaped = [(n, m) for n, m in linears if rows is not None and m.out_features == rows]
+    if len(shaped) == 1:
+        return shaped[0][1]
+    seen = ", ".join(f"{n} (Linear {m.in_features}->{m.out_features})" for n, m in (named or shaped))
+    raise AttachError(
+        "cannot find the output head: "
+        + (f"several candidates: {seen}" if seen else "no nn.Linear named lm_head/output/head "
+           f"and none with {rows} outputs")
+        + "; pass lm_head=<the module that produces the logits>"
+    )
+
+
+def _find_embedding(model: nn.Module, head: nn.Module) -> nn.Module:
+    embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    tied = [(n, m) for n, m in embs if m.weight is getattr(head, "weight", None)]
+    if len(tied) == 1:
+        return tied[0][1]
+    rows = getattr(head, "out_features", None)
+    shaped = [(n, m) for n, m in embs if m.num_embeddings == rows]
+    if len(shaped) == 1:
+        return shaped[0][1]
+    if not shaped and len(embs) == 1:
+        return embs[0][1]
+    seen = ", ".join(f"{n} (Embedding {m.num_embeddings}x{m.embedding_dim})" for n, m in embs)
+    raise AttachError(
+        "cannot find the token embedding: "
+        + (f"candidates {seen}" if seen else "the model has no nn.Embedding")
+        + "; pass embedding=<the token embedding module>"
+    )
+
+
+def discover(
+    model: nn.Module, *, embedding: nn.Module | None = None, lm_head: nn.Module | None = None
+) -> Heads:
+    """Explicit modules win, then HF accessors, then names and shapes (nanoGPT wte / lm_head)."""
+    if not isinstance(model, nn.Module):
+        raise AttachError(f"attach needs a torch.nn.Module, got {type(model).__name__}")
+    hf_in, hf_out = _hf_heads(model)
+    emb = embedding or hf_in
+    head = lm_head or hf_out
+    if head is None:
+        head = _find_head(model, emb)
+    if emb is None:
+        emb = _find_embedding(model, head)
+    for label, m in (("embedding", emb), ("lm_head", head)):
+        if not isinstance(m, nn.Module):
+            raise AttachError(f"{label} must be an nn.Module, got {type(m).__name__}")
+    heads = Heads(emb, head, _name_of(model, emb), _name_of(model, head))
+    heads.embedding_rows, heads.head_rows  # noqa: B018 - raises AttachError early on odd modules
+    return heads

@@ -1,0 +1,63 @@
+"""The one error module of logitguard.
+
+    GuardError
+     ├── PolicyError(ValueError)      a policy file or dict is invalid
+     ├── AttachError                  the guard cannot attach to this model
+     └── GuardViolation(RuntimeError) a check with action `fail` fired
+"""
+
+from __future__ import annotations
+
+__all__ = ["AttachError", "GuardError", "GuardViolation", "PolicyError"]
+
+
+class GuardError(Exception):
+    """Base of every error logitguard raises."""
+
+
+class PolicyError(GuardError, ValueError):
+    """A policy is invalid; `.source` names the file (or `<dict>`), `.problems` the keys."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"invalid policy {source}:\n{lines}")
+
+
+class AttachError(GuardError):
+    """The guard cannot attach: discovery failed or the arguments disagree."""
+
+
+class GuardViolation(GuardError, RuntimeError):
+    """A check whose action is `fail` fired; every rank raises it at the same step."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        check: str,
+        step: int,
+        rank: int,
+        value: float,
+        threshold: float,
+        action: str = "fail",
+    ) -> None:
+        self.check = check
+        self.step = step
+        self.rank = rank
+        self.value = value
+        self.threshold = threshold
+        self.action = action
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only data would be lost by the default pickling (multiprocessing, torchrun).
+        return (_rebuild_violation, (str(self), self.__dict__.copy()))
+
+
+def _rebuild_violation(message: str, data: dict[str, object]) -> GuardViolation:
+    err = GuardViolation.__new__(GuardViolation)
+    RuntimeError.__init__(err, message)
+    err.__dict__.update(data)
+    return err

@@ -1,0 +1,209 @@
+"""The policy: per check what to do, validated at the edge (unknown keys are errors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from guard.errors import PolicyError
+
+__all__ = ["CHECKS", "Policy", "coerce_policy", "default_run_id", "load_policy"]
+
+CHECKS = ("alignment", "vocab", "padding_mass", "nonfinite", "token_range", "loss_spike")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AttachCheck(_Strict):
+    action: Literal["fail", "warn", "off"] = "fail"
+
+
+class PaddingMassCheck(_Strict):
+    action: Literal["mask", "fail", "warn", "off"] = "mask"
+    # The seed's per-step assertion: padding columns must hold < 1e-6 of the probability.
+    threshold: float = Field(1.0e-6, ge=0.0, le=1.0)
+    # 256 strided positions cost a fraction of a percent of a step; set exact for all tokens.
+    sample_tokens: int = Field(256, ge=1)
+    exact: bool = False
+
+
+class NonfiniteCheck(_Strict):
+    action: Literal["fail", "skip", "warn", "off"] = "fail"
+
+
+class TokenRangeCheck(_Strict):
+    action: Literal["fail", "warn", "off"] = "fail"
+    # PyTorch's CrossEntropyLoss default; labels equal to it are sequence padding, not ghosts.
+    ignore_index: int | None = -100
+
+
+class LossSpikeCheck(_Strict):
+    action: Literal["fail", "skip", "warn", "off"] = "warn"
+    factor: float = Field(10.0, gt=1.0)
+    window: int = Field(100, ge=2)
+
+
+class Checks(_Strict):
+    alignment: AttachCheck = AttachCheck()
+    vocab: AttachCheck = AttachCheck()
+    padding_mass: PaddingMassCheck = PaddingMassCheck()
+    nonfinite: NonfiniteCheck = NonfiniteCheck()
+    token_range: TokenRangeCheck = TokenRangeCheck()
+    loss_spike: LossSpikeCheck = LossSpikeCheck()
+
+
+class VocabSection(_Strict):
+    real_size: int | None = Field(None, ge=1)
+    # Tensor cores and fused kernels want the vocab dim a multiple of 64 (seed digest).
+    pad_multiple: int = Field(64, ge=1)
+    tensor_parallel: int = Field(1, ge=1)
+
+
+class Cadence(_Strict):
+    read_every: int = Field(1, ge=1)
+
+
+_HOST_PORT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
+
+
+class Export(_Strict):
+    serve: str | None = "127.0.0.1:9464"
+    push: str | None = None
+
+    @field_validator("serve")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        m = _HOST_PORT.match(v)
+        if not m or not 0 <= int(m["port"]) <= 65535:
+            raise ValueError(f"expected host:port such as 127.0.0.1:9464, got {v!r}")
+        return v
+
+    @field_validator("push")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^\s/]+(/\S*)?$", v):
+            raise ValueError(f"expected an http(s) URL such as http://guard-server:9400, got {v!r}")
+        return v
+
+    def serve_address(self, local_rank: int = 0) -> tuple[str, int] | None:
+        """(host, port + local_rank), so each rank of a node gets its own endpoint."""
+        if self.serve is None:
+            return None
+        host, _, port = self.serve.rpartition(":")
+        return host.strip("[]"), int(port) + local_rank if int(port) else 0
+
+
+_RUN_ID = r"^[A-Za-z0-9_.:\-]{1,128}$"
+
+
+class Policy(_Strict):
+    """What each check does; see DESIGN.md, 'Policy file'."""
+
+    run_id: str | None = Field(None, pattern=_RUN_ID)
+    vocab: VocabSection = VocabSection()
+    checks: Checks = Checks()
+    cadence: Cadence = Cadence()
+    export: Export = Export()
+
+    def action(self, check: str) -> str:
+        return str(getattr(self.checks, check).action)
+
+
+def default_run_id() -> str:
+    """TORCHELASTIC_RUN_ID under torchrun, else host-pid-time."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID")
+    if rid and re.match(_RUN_ID, rid):
+        return rid
+    host = re.sub(r"[^A-Za-z0-9_.\-]", "-", socket.gethostname())[:64] or "host"
+    return f"{host}-{os.getpid()}-{int(time.time())}"
+
+
+def _describe(err: dict[str, Any]) -> str:
+    where = ".".join(str(p) for p in err["loc"]) or "<top>"
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return f"{where}: unknown key"
+    if kind == "literal_error":
+        allowed = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if allowed else "?"
+        return f"{where}: {err['input']!r} is not allowed; choose {choices}"
+    if kind == "value_error":
+        return f"{where}: {str(err['msg']).removeprefix('Value error, ')}"
+    return f"{where}: {err['msg']} (got {err.get('input')!r})"
+
+
+def _allowed_keys(loc: tuple[Any, ...]) -> str:
+    model: Any = Policy
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        if field is None:
+            return ""
+        model = field.annotation
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return "; allowed keys: " + ", ".join(model.model_fields)
+    return ""
+
+
+def _validate(data: Any, source: str) -> Policy:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PolicyError(source, [f"<top>: expected a mapping of sections, got {type(data).__name__}"])
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            msg = _describe(dict(err))
+            if err["type"] == "extra_forbidden":
+                msg += _allowed_keys(tuple(err["loc"]))
+            problems.append(msg)
+        raise PolicyError(source, problems) from None
+
+
+def load_policy(path: str | os.PathLike[str]) -> Policy:
+    """Read a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) policy file."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml", ".json"):
+        raise PolicyError(str(p), [f"unknown extension {suffix!r}; use .yaml, .yml, .toml or .json"])
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PolicyError(str(p), [f"cannot read: {e.strerror or e}"]) from None
+    try:
+        if suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise PolicyError(str(p), [f"not valid {suffix[1:].upper()}: {e}"]) from None
+    return _validate(data, str(p))
+
+
+def coerce_policy(policy: Policy | dict[str, Any] | str | os.PathLike[str] | None) -> Policy:
+    """A Policy from a Policy, a dict, a path, or None (the defaults)."""
+    if policy is None:
+        return Policy()
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, dict):
+        return _validate(policy, "<dict>")
+    if isinstance(policy, str | os.PathLike):
+        return load_policy(policy)
+    raise PolicyError("<argument>", [f"policy must be a Policy, dict or path, got {type(policy).__name__}"])
