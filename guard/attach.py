@@ -120,6 +120,7 @@ class Guard:
         self._step = 0
         self._read_step = 0  # step whose values a lagged read returns next
         self._explicit = False
+        self._forward_pending = False  # forward mode: a forward ended, its boundary not yet run
         self._loss: torch.Tensor | None = None
         self._loss_src: torch.Tensor | None = None
         self._stats = empty_stats()
@@ -159,6 +160,7 @@ class Guard:
             self._record_loss(loss)
         if self.optimizer is None:
             self._explicit = True
+            self._forward_pending = False
             self._boundary()
 
     def detach(self) -> None:
@@ -172,13 +174,16 @@ class Guard:
         self._handles.clear()
         _ATTACHED.pop(self.model, None)
         try:
+            if self._forward_pending:
+                self._forward_pending = False
+                self._step += 1
             self._fold_loss()
             pending = self.flags.flush()
             if pending is not None:
-                self._apply(pending, self._read_step, raise_fail=False)
+                self._apply(pending, self._read_step, raise_fail=False, emit=False)
             current = self.flags.read(lagged=False)
             if current is not None and self._step > self._read_step:
-                self._apply(current, self._step, raise_fail=False)
+                self._apply(current, self._step, raise_fail=False, emit=False)
         finally:
             self._emit(final=True)
             for sink in self.sinks:
@@ -201,14 +206,23 @@ class Guard:
 
     def _install(self) -> None:
         self.probe.on_loss = self._record_loss
+        self.probe.on_forward_start = self._forward_start
         self.probe.on_forward_end = self._forward_end
         self.probe.install(self.model, self.heads.embedding, self.heads.lm_head)
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
         _ATTACHED[self.model] = self
 
+    # Without optimizer= and g.step(), a training forward is a step. Its boundary runs when the
+    # next training forward starts (or at detach), not when it ends: a loop that calls
+    # g.step(loss) after its first forward is then never counted twice.
     def _forward_end(self) -> None:
         if self.optimizer is None and not self._explicit:
+            self._forward_pending = True
+
+    def _forward_start(self) -> None:
+        if self._forward_pending:
+            self._forward_pending = False
             self._boundary()
 
     def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -231,7 +245,7 @@ class Guard:
         if self.cfg.nonfinite:
             self.flags.add(Slot.NF_LOSS, nonfinite_count(loss))
 
-    def _boundary(self) -> None:
+    def _boundary(self, *, raise_fail: bool = True) -> None:
         self._step += 1
         self.probe.step = self._step
         self._fold_loss()
@@ -243,11 +257,11 @@ class Guard:
         step = self._read_step if lagged else self._step
         self._read_step = self._step
         if values is not None:
-            self._apply(values, step, raise_fail=True)
+            self._apply(values, step, raise_fail=raise_fail)
 
     # -- host side, at a read ----------------------------------------------------------------
 
-    def _apply(self, values: HostFlags, step: int, *, raise_fail: bool) -> None:
+    def _apply(self, values: HostFlags, step: int, *, raise_fail: bool, emit: bool = True) -> None:
         local, glob, who = values
         s = self._stats
         s["step"] = step
@@ -265,16 +279,19 @@ class Guard:
                          real=self.cfg.real, rows=self.rows)
         for v in found:
             self._record(v)
-        self._emit()
         fail = next((v for v in found if v.action == "fail"), None)
         if fail is not None:
             self._halted = fail.check
+        if emit:
             self._emit()
+        if fail is not None:
+            others = [v.check for v in found if v is not fail]
+            message = fail.message + (f" (also at this step: {', '.join(others)})" if others else "")
             if raise_fail:
-                raise GuardViolation(fail.message, check=fail.check, step=fail.step,
+                raise GuardViolation(message, check=fail.check, step=fail.step,
                                      rank=fail.rank, value=fail.value,
                                      threshold=fail.threshold, action="fail")
-            log.error("%s", fail.message)
+            log.error("%s", message)
 
     def _record(self, v: Violation) -> None:
         counts = self._violations.setdefault(v.check, Counter())

@@ -61,9 +61,26 @@ def evaluate(
     real: int,
     rows: int,
 ) -> list[Violation]:
-    """The violations of one read, using the all-rank values so every rank decides alike."""
+    """The violations of one read, using the all-rank values so every rank decides alike.
+
+    Ordered cause first: ghost ids explain an infinite loss under the mask, not the reverse.
+    """
     out: list[Violation] = []
     checks = policy.checks
+
+    tr = checks.token_range
+    if tr.action != "off":
+        parts = [(name, glob[slot]) for name, slot in
+                 (("input", Slot.OOR_INPUT), ("label", Slot.OOR_LABEL)) if glob[slot] > 0]
+        if parts:
+            slot = Slot.OOR_INPUT if who[Slot.OOR_INPUT] >= who[Slot.OOR_LABEL] else Slot.OOR_LABEL
+            r, where = _where(who[slot], rank)
+            seen = " and ".join(f"{int(n)} {name} ids" for name, n in parts)
+            exempt = "" if tr.ignore_index is None else f" (ignore index {tr.ignore_index} exempt)"
+            out.append(Violation("token_range", tr.action, step, r, sum(n for _, n in parts), 0.0,
+                f"token_range on {where} at step {step}: {seen} outside [0, {real}){exempt}: "
+                f"ids in [{real}, {rows}) are ghost tokens the tokenizer cannot produce; "
+                f"{_NEXT[tr.action]}. Check the tokenizer / data pipeline against vocab {real}."))
 
     pm = checks.padding_mass
     if pm.action != "off" and glob[Slot.PM_MAX] > pm.threshold:
@@ -71,7 +88,7 @@ def evaluate(
         cols = rows - real
         mean = glob[Slot.PM_SUM] / glob[Slot.PM_COUNT] if glob[Slot.PM_COUNT] else 0.0
         fix = (
-            "the mask removes it from softmax and gradient"
+            "The mask removes it from softmax and gradient."
             if pm.action == "mask"
             else "Set checks.padding_mass.action: mask to mask them instead."
         )
@@ -93,20 +110,6 @@ def evaluate(
                 f"nonfinite on {where} at step {step}: NaN/Inf values: {seen}; expected none; "
                 f"{_NEXT[nf.action]}. Check the learning rate, the loss scale and the padding "
                 f"rows [{real}, {rows}) of the embedding / lm_head."))
-
-    tr = checks.token_range
-    if tr.action != "off":
-        parts = [(name, glob[slot]) for name, slot in
-                 (("input", Slot.OOR_INPUT), ("label", Slot.OOR_LABEL)) if glob[slot] > 0]
-        if parts:
-            slot = Slot.OOR_INPUT if who[Slot.OOR_INPUT] >= who[Slot.OOR_LABEL] else Slot.OOR_LABEL
-            r, where = _where(who[slot], rank)
-            seen = " and ".join(f"{int(n)} {name} ids" for name, n in parts)
-            exempt = "" if tr.ignore_index is None else f" (ignore index {tr.ignore_index} exempt)"
-            out.append(Violation("token_range", tr.action, step, r, sum(n for _, n in parts), 0.0,
-                f"token_range on {where} at step {step}: {seen} outside [0, {real}){exempt}: "
-                f"ids in [{real}, {rows}) are ghost tokens the tokenizer cannot produce; "
-                f"{_NEXT[tr.action]}. Check the tokenizer / data pipeline against vocab {real}."))
 
     ls = checks.loss_spike
     if ls.action != "off" and glob[Slot.SPIKE] > 0:

@@ -71,15 +71,20 @@ def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
     named = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in _HEAD_NAMES]
     if len(named) == 1:
         return named[0][1]
-    rows = getattr(emb, "num_embeddings", None)
-    shaped = [(n, m) for n, m in linears if rows is not None and m.out_features == rows]
+    # Without a name, the head is the Linear whose outputs match an embedding's rows.
+    if emb is not None:
+        rows = {getattr(emb, "num_embeddings", None)}
+    else:
+        rows = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    shaped = [(n, m) for n, m in linears if m.out_features in rows]
     if len(shaped) == 1:
         return shaped[0][1]
     seen = ", ".join(f"{n} (Linear {m.in_features}->{m.out_features})" for n, m in (named or shaped))
+    wanted = " or ".join(str(r) for r in sorted(r for r in rows if r is not None)) or "vocab"
     raise AttachError(
         "cannot find the output head: "
         + (f"several candidates: {seen}" if seen else "no nn.Linear named lm_head/output/head "
-           f"and none with {rows} outputs")
+           f"and none with {wanted} outputs")
         + "; pass lm_head=<the module that produces the logits>"
     )
 

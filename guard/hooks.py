@@ -72,14 +72,15 @@ class Probe:
         self.handles: list[RemovableHandle] = []
         self.step = 0  # host-side counter, only for the sampling offset
         self.on_loss: Callable[[torch.Tensor], None] | None = None
+        self.on_forward_start: Callable[[], None] | None = None
         self.on_forward_end: Callable[[], None] | None = None
 
     def install(self, model: nn.Module, embedding: nn.Module, head: nn.Module) -> None:
         self._label_pos = _labels_position(model)
         c = self.cfg
+        self.handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         if c.token_range:
             self.handles.append(embedding.register_forward_pre_hook(self._embedding_pre))
-            self.handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         if c.nonfinite:
             self.handles.append(head.register_forward_pre_hook(self._head_pre))
         if c.padding_mass or c.mask or c.nonfinite:
@@ -100,6 +101,10 @@ class Probe:
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not module.training:
+            return
+        if self.on_forward_start is not None:
+            self.on_forward_start()
+        if not self.cfg.token_range:
             return
         labels = next((kwargs[k] for k in _LABEL_KWARGS if k in kwargs), None)
         if labels is None and self._label_pos is not None and len(args) > self._label_pos:

@@ -1,0 +1,48 @@
+"""Shared fixtures: fresh tiny models and a quiet default policy per test."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from guard.demo.model import GPT, GPTConfig
+
+# Tests run without the embedded endpoint unless they start one, and without loss_spike
+# until a test asks for it.
+QUIET: dict[str, Any] = {"export": {"serve": None}, "checks": {"loss_spike": {"action": "off"}}}
+
+
+def policy(**checks: dict[str, Any]) -> dict[str, Any]:
+    """QUIET with the given per-check settings merged in."""
+    p = copy.deepcopy(QUIET)
+    for name, settings in checks.items():
+        p["checks"].setdefault(name, {}).update(settings)
+    return p
+
+
+def tiny_gpt(rows: int = 128, *, seed: int = 0, tie: bool = True, garbage: float | None = None,
+             real: int = 100) -> GPT:
+    """A 2-layer GPT with `rows` vocab rows; `garbage` fills rows [real, rows) like an
+    uninitialised resize."""
+    torch.manual_seed(seed)
+    m = GPT(GPTConfig(vocab_size=rows, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                      tie_weights=tie))
+    if garbage is not None:
+        with torch.no_grad():
+            m.lm_head.weight[real:] = garbage
+    return m
+
+
+def batch(real: int = 100, *, seed: int = 0, b: int = 4, t: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, real, (b, t), generator=g)
+    y = torch.randint(0, real, (b, t), generator=g)
+    return x, y
+
+
+@pytest.fixture
+def gpt() -> GPT:
+    return tiny_gpt()

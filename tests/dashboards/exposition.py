@@ -1,0 +1,116 @@
+"""A fixed guard-server exposition in which every alert condition holds, served on loopback.
+
+Stands in for guard-server until a real training run feeds the same tests. Run RUN, two
+ranks (job / instance are added by Prometheus, as for the real server):
+  rank 0  every fault: padding mass 2 % unmasked, NaN logits and loss, ghost labels, loss
+          spikes, halted by nonfinite, dropped reports; reporting now.
+  rank 1  healthy numbers, the same padding mass but masked, and silent for 10 minutes.
+Counters grow by one per scrape, so rate() and increase() see real increments.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+RUN = "test-run.1"  # the dot checks that the dashboard's regex matchers escape run ids
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus 3 needs it exact
+
+# Which ranks each alert must fire for in this exposition (test_live_queries.py).
+FIRING = {
+    "GuardNonFinite": {"0"},
+    "GuardPaddingMassHigh": {"0"},  # rank 1 has the same mass but masks it
+    "GuardHalted": {"0"},
+    "GuardTokenOutOfRange": {"0"},
+    "GuardLossSpike": {"0"},
+    "GuardRankSilent": {"1"},
+    "GuardReportsDropped": {"0"},
+}
+
+Render = Callable[[int, float], str]
+
+
+def fault_exposition(scrape: int, now: float) -> str:
+    """The text format for the `scrape`-th scrape (1-based) at unix time `now`."""
+    r0 = f'run_id="{RUN}",rank="0"'
+    r1 = f'run_id="{RUN}",rank="1"'
+    n = scrape
+    families = [
+        ("guard_step", "gauge", [(r0, 100 + n), (r1, 40)]),
+        ("guard_last_report_timestamp_seconds", "gauge", [(r0, now), (r1, now - 600)]),
+        ("guard_loss", "gauge", [(r0, 87.3), (r1, 2.1)]),
+        ("guard_padding_mass_ratio", "gauge", [(r0, 0.02), (r1, 0.02)]),
+        ("guard_padding_mass_max_ratio", "gauge", [(r0, 0.3), (r1, 0.3)]),
+        ("guard_nonfinite_values_total", "counter", [
+            (f'{r0},tensor="logits"', 4 + n), (f'{r0},tensor="hidden"', 0),
+            (f'{r0},tensor="loss"', n), (f'{r1},tensor="logits"', 0),
+            (f'{r1},tensor="hidden"', 0), (f'{r1},tensor="loss"', 0),
+        ]),
+        ("guard_out_of_range_tokens_total", "counter", [
+            (f'{r0},kind="input"', 0), (f'{r0},kind="label"', 3 * n),
+            (f'{r1},kind="input"', 0), (f'{r1},kind="label"', 0),
+        ]),
+        ("guard_violations_total", "counter", [
+            (f'{r0},check="loss_spike",action="warn"', n),
+            (f'{r0},check="padding_mass",action="warn"', 5 * n),
+            (f'{r0},check="nonfinite",action="fail"', 1),
+            (f'{r1},check="padding_mass",action="mask"', 5 * n),
+        ]),
+        ("guard_skipped_steps_total", "counter", [(r0, n), (r1, 0)]),
+        ("guard_halted", "gauge", [(f'{r0},check="nonfinite"', 1)]),
+        ("guard_vocab_size", "gauge", [
+            (f'{r},kind="{kind}"', size)
+            for r in (r0, r1)
+            for kind, size in (("real", 50000), ("rows", 50016), ("aligned", 50048))
+        ]),
+        ("guard_dropped_reports_total", "counter", [(r0, 7 * n), (r1, 0)]),
+        ("guard_ingest_reports_total", "counter", [("", 240 * n)]),
+        ("guard_ingest_rejected_total", "counter", [
+            ('reason="unauthorized"', n), ('reason="invalid"', 2),
+        ]),
+    ]  # fmt: skip
+    lines = []
+    for name, kind, samples in families:
+        lines += [f"# HELP {name} {name} for the dashboard tests.", f"# TYPE {name} {kind}"]
+        lines += [f"{name}{{{labels}}} {value}" if labels else f"{name} {value}"
+                  for labels, value in samples]
+    return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def serve_exposition(render: Render = fault_exposition) -> Iterator[str]:
+    """Serve `render(scrape, time.time())` at http://127.0.0.1:PORT/metrics; yield "host:port"."""
+    scrapes = 0
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            nonlocal scrapes
+            if self.path != "/metrics":
+                self.send_error(404)
+                return
+            with lock:
+                scrapes += 1
+                body = render(scrapes, time.time()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # one line per scrape would bury the test output
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="exposition", daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"{host}:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -1,0 +1,377 @@
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import guard
+from guard import GuardViolation, PolicyError
+from guard.flags import Slot
+from guard.sinks import MemorySink
+from tests.conftest import batch, policy, tiny_gpt
+from tests.guard.test_discovery import hf_gpt2
+
+STATS_KEYS = {"step", "loss", "padding_mass", "padding_mass_max", "nonfinite", "out_of_range",
+              "violations", "skipped_steps"}
+ALL_WARN = policy(alignment={"action": "warn"}, vocab={"action": "warn"},
+                  padding_mass={"action": "warn"}, nonfinite={"action": "warn"},
+                  token_range={"action": "warn"})
+
+
+def train(model: nn.Module, steps: int, *, g: guard.Guard | None = None,
+          opt: torch.optim.Optimizer | None = None, x: torch.Tensor | None = None,
+          y: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """AdamW steps on fixed data; returns the losses (detached)."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for i in range(steps):
+        xb, yb = (x, y) if x is not None and y is not None else batch(seed=i)
+        _, loss = model(xb, yb)
+        loss.backward()
+        if g is not None and g.optimizer is None:
+            g.step(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+# -- attach-time checks ----------------------------------------------------------------------
+
+
+def test_unaligned_vocab_fails_at_attach_with_the_fix() -> None:
+    m = tiny_gpt(rows=100)
+    with pytest.raises(GuardViolation) as e:
+        guard.attach(m, policy=policy(), vocab_size=100)
+    v = e.value
+    assert (v.check, v.step, v.rank, v.action, v.value, v.threshold) == \
+        ("alignment", 0, 0, "fail", 100.0, 64.0)
+    assert "head rows 100 are not a multiple of 64" in str(v) and "128 rows" in str(v)
+    assert hook_count(m) == 0  # nothing installed
+    with guard.attach(m, policy=policy(alignment={"action": "warn"}), vocab_size=100) as g:
+        assert g.stats["violations"] == {"alignment": {"warn": 1}}
+    with guard.attach(m, policy=policy(alignment={"action": "off"}), vocab_size=100) as g:
+        assert g.stats["violations"] == {}
+
+
+def test_tensor_parallel_alignment() -> None:
+    m = tiny_gpt(rows=128)
+    with pytest.raises(GuardViolation, match="multiple of 256"):
+        guard.attach(m, policy={**policy(), "vocab": {"tensor_parallel": 4}}, vocab_size=100)
+
+
+def test_tokenizer_larger_than_rows_is_a_vocab_violation() -> None:
+    m = tiny_gpt(rows=128)
+    with pytest.raises(GuardViolation, match=r"real vocab 130 > head rows 128") as e:
+        guard.attach(m, policy=policy(), vocab_size=130)
+    assert e.value.check == "vocab"
+
+
+# -- per-step checks and actions -------------------------------------------------------------
+
+
+def test_padding_mass_warn_measures_and_counts() -> None:
+    m = tiny_gpt(garbage=0.5)
+    with guard.attach(m, policy=policy(padding_mass={"action": "warn"}), vocab_size=100) as g:
+        train(m, 3, g=g)
+        s = g.stats
+    assert set(s) == STATS_KEYS
+    assert s["step"] == 3 and s["violations"] == {"padding_mass": {"warn": 3}}
+    assert 0.05 < s["padding_mass"] <= s["padding_mass_max"] < 1
+    assert isinstance(s["loss"], float)
+
+
+def test_padding_mass_matches_the_pure_function_when_exact() -> None:
+    m = tiny_gpt(garbage=0.3)
+    x, y = batch()
+    with torch.no_grad():
+        logits, _ = m(x, y)
+    expected = guard.padding_mass(logits, 100)
+    pol = policy(padding_mass={"action": "warn", "exact": True})
+    with guard.attach(m, policy=pol, vocab_size=100) as g:
+        m(x, y)  # one training-mode forward is one step, read at detach
+    s = g.stats
+    assert s["step"] == 1
+    assert s["padding_mass"] == pytest.approx(float(expected.mean()), rel=1e-5)
+    assert s["padding_mass_max"] == pytest.approx(float(expected.max()), rel=1e-5)
+
+
+def test_sampled_padding_mass_sees_at_most_sample_tokens() -> None:
+    m = tiny_gpt(garbage=0.3)
+    pol = policy(padding_mass={"action": "warn", "sample_tokens": 8})
+    with guard.attach(m, policy=pol, vocab_size=100) as g:
+        m(*batch())
+        assert float(g.flags.t[Slot.PM_COUNT]) == 8  # 64 positions, 8 sampled
+        m(*batch())  # the first forward's boundary: read and reset
+        assert float(g.flags.t[Slot.PM_COUNT]) == 8
+        assert g.stats["padding_mass"] is not None and g.stats["step"] == 1
+
+
+def test_padding_mass_fail_names_columns_and_fix() -> None:
+    m = tiny_gpt(garbage=0.5)
+    g = guard.attach(m, policy=policy(padding_mass={"action": "fail"}), vocab_size=100)
+    m(*batch())
+    with pytest.raises(GuardViolation) as e:
+        m(*batch())  # without optimizer= / g.step(), step 1 ends when step 2 starts
+    g.detach()
+    v = e.value
+    assert v.check == "padding_mass" and v.step == 1 and v.threshold == 1e-6 and v.value > 0.05
+    msg = str(v)
+    assert "rank 0 at step 1" in msg and "28 padding columns [100, 128)" in msg
+    assert "expected <= 1e-06" in msg and "checks.padding_mass.action: mask" in msg
+
+
+def test_mask_trains_like_a_model_over_the_real_vocab_only() -> None:
+    """Masked CE over 128 rows == CE over the 100 real columns; padding rows get zero grad."""
+    m = tiny_gpt(tie=False, garbage=3.0)
+    ref = copy.deepcopy(m)
+    x, y = batch()
+    with guard.attach(m, policy=policy(), vocab_size=100) as g:
+        logits, loss = m(x, y)
+        loss.backward()
+    assert g.stats["violations"] == {"padding_mass": {"mask": 1}}
+    assert g.stats["padding_mass"] > 0.1  # measured before the mask
+    ref_logits, _ = ref(x)
+    ref_loss = F.cross_entropy(ref_logits[..., :100].reshape(-1, 100), y.view(-1))
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    assert torch.isinf(logits[..., 100:]).all()
+    assert m.lm_head.weight.grad is not None
+    assert torch.count_nonzero(m.lm_head.weight.grad[100:]) == 0
+    assert torch.count_nonzero(m.lm_head.weight.grad[:100]) > 0
+
+
+def test_mask_applies_in_eval_so_generation_never_picks_a_ghost() -> None:
+    m = tiny_gpt(garbage=5.0).eval()
+    with guard.attach(m, policy=policy(), vocab_size=100):
+        logits, _ = m(batch()[0])
+    assert int(logits.argmax(-1).max()) < 100
+
+
+def test_warn_leaves_adamw_steps_bitwise_identical() -> None:
+    base = tiny_gpt(garbage=0.5)
+    guarded = copy.deepcopy(base)
+    ref_losses = train(base, 5)
+    opt = torch.optim.AdamW(guarded.parameters(), lr=1e-2)
+    with guard.attach(guarded, policy=ALL_WARN, vocab_size=100, optimizer=opt) as g:
+        losses = train(guarded, 5, opt=opt)
+        assert g.stats["step"] == 5 and g.stats["violations"]["padding_mass"] == {"warn": 5}
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses, strict=True))
+    for p, q in zip(base.parameters(), guarded.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_fail_with_optimizer_raises_before_the_weights_change() -> None:
+    m = tiny_gpt()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = guard.attach(m, policy=policy(), vocab_size=100, optimizer=opt)
+    train(m, 2, opt=opt)
+    with torch.no_grad():
+        m.ln_f.weight[3] = float("nan")  # poisons the lm_head input at every position
+    before = copy.deepcopy(m.state_dict())
+    state_before = copy.deepcopy(opt.state_dict())
+    _, loss = m(*batch())
+    loss.backward()
+    with pytest.raises(GuardViolation) as e:
+        opt.step()
+    assert e.value.check == "nonfinite" and e.value.step == 3
+    assert "in the lm_head input" in str(e.value) and "in the loss" in str(e.value)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]) or (v.isnan() == before[k].isnan()).all()
+        assert torch.allclose(v, before[k], equal_nan=True)
+    assert opt.state_dict()["state"][0]["step"] == state_before["state"][0]["step"]
+    g.detach()
+
+
+def test_nonfinite_in_logits_only_is_detected() -> None:
+    m = tiny_gpt(tie=False)
+    with torch.no_grad():
+        m.lm_head.weight[7, 0] = float("inf")  # one real column goes non-finite
+    pol = policy(nonfinite={"action": "warn"}, padding_mass={"action": "off"})
+    with guard.attach(m, policy=pol, vocab_size=100) as g:
+        m(*batch())
+    nf = g.stats["nonfinite"]
+    assert nf["hidden"] == 0 and nf["logits"] >= 1
+
+
+def test_nonfinite_logits_outside_the_sample_still_counted() -> None:
+    m = tiny_gpt(tie=False)
+    x, y = batch(b=8, t=32)  # 256 positions, sample of 4
+    pol = policy(nonfinite={"action": "warn"}, padding_mass={"action": "off", "sample_tokens": 4})
+    with guard.attach(m, policy=pol, vocab_size=100) as g:
+        def poison(mod: nn.Module, a: tuple[torch.Tensor], out: torch.Tensor) -> None:
+            out[0, 5, 3] = float("nan")  # a position the strided sample skips
+        h = m.lm_head.register_forward_hook(poison, prepend=True)
+        m(x, y)
+        h.remove()
+    assert g.stats["nonfinite"]["logits"] == 1
+
+
+def test_ghost_input_ids_and_labels() -> None:
+    m = tiny_gpt()
+    x, y = batch()
+    x[0, 0] = 110  # a ghost id: a row exists, the tokenizer never produces it
+    y[1, 2] = 127
+    y[2, :4] = -100  # sequence padding: exempt
+    pol = policy(token_range={"action": "warn"})
+    with guard.attach(m, policy=pol, vocab_size=100) as g:
+        m(x, y)
+    assert g.stats["out_of_range"] == {"input": 1, "label": 1}
+    with guard.attach(m, policy=policy(), vocab_size=100) as g:
+        _, loss = m(x, y)
+        with pytest.raises(GuardViolation, match=r"1 input ids and 1 label ids outside \[0, 100\)"
+                           r".*also at this step: padding_mass, nonfinite"):
+            g.step(loss)  # the ghost label's logit is masked to -inf: the loss is inf too
+    with guard.attach(m, policy=policy(token_range={"ignore_index": None, "action": "warn"}),
+                      vocab_size=100) as g:
+        m(x, y)
+    assert g.stats["out_of_range"] == {"input": 1, "label": 5}
+
+
+def test_hf_model_labels_kwarg_and_ghost_labels() -> None:
+    m = hf_gpt2()
+    m.train()
+    x, y = batch()
+    y[0, 0] = 120
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    pol = policy(token_range={"action": "warn"})
+    with guard.attach(m, policy=pol, vocab_size=100, optimizer=opt) as g:
+        out = m(input_ids=x, labels=y)
+        out.loss.backward()
+        opt.step()
+        s = g.stats
+    assert s["out_of_range"] == {"input": 0, "label": 1} and s["step"] == 1
+    assert s["loss"] == pytest.approx(float(out.loss.detach()))
+
+
+def test_hf_model_each_check() -> None:
+    m = hf_gpt2()
+    m.train()
+    with torch.no_grad():
+        m.get_output_embeddings().weight[100:] = 1.0
+    with guard.attach(m, policy=ALL_WARN, vocab_size=100) as g:
+        m(input_ids=batch()[0], labels=batch()[1])
+    assert g.stats["padding_mass"] > 0
+    with guard.attach(m, policy=policy(), vocab_size=100) as g:
+        logits = m(input_ids=batch()[0]).logits
+    assert torch.isinf(logits[..., 100:]).all() and g.stats["violations"]["padding_mass"]
+
+
+# -- step boundaries, cadence, detach --------------------------------------------------------
+
+
+def test_each_training_forward_is_a_step_without_optimizer() -> None:
+    m = tiny_gpt()
+    with guard.attach(m, policy=policy(), vocab_size=100) as g:
+        m(*batch())
+        m(*batch())
+        assert g.stats["step"] == 1  # the second forward closed the first step
+        m.eval()
+        m(*batch())  # eval forwards are not steps
+    assert g.stats["step"] == 2
+
+
+def test_g_step_marks_boundaries_and_feeds_the_loss() -> None:
+    m = tiny_gpt()
+    with guard.attach(m, policy=policy(nonfinite={"action": "warn"}), vocab_size=100) as g:
+        _, loss = m(*batch())
+        g.step(torch.tensor(float("nan")))
+        assert g.stats["step"] == 1
+        assert g.stats["nonfinite"]["loss"] == 1
+
+
+def test_read_every_reads_the_flags_every_n_steps() -> None:
+    m = tiny_gpt(garbage=0.5)
+    sink = MemorySink()
+    pol = {**policy(padding_mass={"action": "warn"}), "cadence": {"read_every": 3}}
+    with guard.attach(m, policy=pol, vocab_size=100) as g:
+        g.add_sink(sink)
+        for _ in range(8):
+            m(*batch())
+        assert g.stats["step"] == 6
+        assert g.stats["violations"] == {"padding_mass": {"warn": 2}}
+    assert [r["step"] for r in sink.reports] == [3, 6, 8]
+    assert sink.reports[-1]["final"] and sink.reports[0]["padding_mass"] > 0
+    assert all(r["vocab"] == {"real": 100, "rows": 128, "aligned": 128} for r in sink.reports)
+
+
+def test_detach_removes_every_hook_and_is_idempotent() -> None:
+    m = tiny_gpt()
+    opt = torch.optim.AdamW(m.parameters())
+    before = hook_count(m)
+    g = guard.attach(m, policy=policy(), vocab_size=100, optimizer=opt)
+    assert hook_count(m) > before and len(opt._optimizer_step_pre_hooks) == 1
+    g.detach()
+    g.detach()
+    assert hook_count(m) == before and len(opt._optimizer_step_pre_hooks) == 0
+    with pytest.raises(guard.AttachError, match="detached"):
+        g.step()
+
+
+def test_context_manager_detaches_after_a_violation() -> None:
+    m = tiny_gpt(garbage=0.5)
+    with pytest.raises(GuardViolation):
+        with guard.attach(m, policy=policy(padding_mass={"action": "fail"}), vocab_size=100) as g:
+            g.step(m(*batch())[1])
+    assert hook_count(m) == 0
+
+
+def test_unbuilt_actions_raise_clearly() -> None:
+    with pytest.raises(PolicyError, match="checks.nonfinite.action: 'skip' is not implemented"):
+        guard.attach(tiny_gpt(), policy=policy(nonfinite={"action": "skip"}), vocab_size=100)
+
+
+def test_violation_pickles_with_its_data() -> None:
+    import pickle
+
+    v = GuardViolation("m", check="nonfinite", step=3, rank=1, value=2.0, threshold=0.0)
+    w = pickle.loads(pickle.dumps(v))
+    assert (w.check, w.step, w.rank, w.value, str(w)) == ("nonfinite", 3, 1, 2.0, "m")
+
+
+# -- the hot path ----------------------------------------------------------------------------
+
+
+@contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Every way a tensor reaches the host raises while this is active."""
+    names = ["item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("host read inside the hot path")
+
+    for n in names:
+        setattr(torch.Tensor, n, boom)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_hooks_never_read_a_tensor_to_the_host() -> None:
+    m = tiny_gpt(garbage=0.5)
+    x, y = batch()
+    x[0, 0] = 110
+    pol = {**ALL_WARN, "checks": {**ALL_WARN["checks"], "padding_mass": {"action": "mask"}}}
+    with guard.attach(m, policy=pol, vocab_size=100) as g:
+        g.step()  # explicit boundaries: forward and backward below run hooks only
+        with no_host_reads():
+            for _ in range(2):
+                _, loss = m(x, y)
+                loss.backward()
+                g._record_loss(loss)
+        g.step()
+        assert g.stats["out_of_range"]["input"] == 2 and g.stats["padding_mass"] > 0
+    # and the guard really would have been caught:
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
+        torch.ones(1).item()

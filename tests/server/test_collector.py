@@ -1,0 +1,101 @@
+"""Metric names, types and labels are exactly DESIGN.md's, and promtool finds no fault."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+from guard_server import ReportBatch, Settings, Store
+from guard_server.collector import new_registry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+# DESIGN.md, "Metric names": name -> (type, extra labels). Counters are keyed by the exposed
+# name; prometheus_client's parser reports them without the _total suffix.
+DESIGN = {
+    "guard_step": ("gauge", set()),
+    "guard_last_report_timestamp_seconds": ("gauge", set()),
+    "guard_loss": ("gauge", set()),
+    "guard_padding_mass_ratio": ("gauge", set()),
+    "guard_padding_mass_max_ratio": ("gauge", set()),
+    "guard_nonfinite_values_total": ("counter", {"tensor"}),
+    "guard_out_of_range_tokens_total": ("counter", {"kind"}),
+    "guard_violations_total": ("counter", {"check", "action"}),
+    "guard_skipped_steps_total": ("counter", set()),
+    "guard_halted": ("gauge", {"check"}),
+    "guard_vocab_size": ("gauge", {"kind"}),
+    "guard_dropped_reports_total": ("counter", set()),
+}
+SERVER = {
+    "guard_ingest_reports_total": ("counter", set()),
+    "guard_ingest_rejected_total": ("counter", {"reason"}),
+}
+
+
+@pytest.fixture
+def store(make_batch: Any, clock: Any) -> Store:
+    store = Store(Settings(), clock=clock)
+    store.ingest(
+        ReportBatch.model_validate(make_batch(run_id="r1", rank=3, steps=(7,), halted="nonfinite"))
+    )
+    store.ingest(ReportBatch.model_validate(make_batch(run_id="r1", rank=4, steps=(8,), loss=None)))
+    return store
+
+
+def test_names_types_and_labels_match_the_design(store: Store) -> None:
+    text = generate_latest(new_registry(store)).decode()
+    seen: dict[str, tuple[str, set[str]]] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {k for s in family.samples for k in s.labels}
+        seen[name] = (family.type, labels)
+        assert not labels & {"job", "instance", "step"}
+    per_rank = {name: (kind, extra | {"run_id", "rank"}) for name, (kind, extra) in DESIGN.items()}
+    assert seen == per_rank | SERVER
+
+
+def test_values_read_back(store: Store, clock: Any) -> None:
+    registry = new_registry(store)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"run_id": "r1", "rank": "3"} | labels)
+
+    assert value("guard_step") == 7
+    assert value("guard_last_report_timestamp_seconds") == clock.now
+    assert value("guard_loss") == 2.13
+    assert value("guard_padding_mass_ratio") == 1.2e-09
+    assert value("guard_out_of_range_tokens_total", kind="label") == 3
+    assert value("guard_violations_total", check="token_range", action="warn") == 1
+    assert value("guard_halted", check="nonfinite") == 1
+    assert value("guard_vocab_size", kind="aligned") == 50304
+    assert (
+        registry.get_sample_value(
+            "guard_halted", {"run_id": "r1", "rank": "4", "check": "nonfinite"}
+        )
+        is None
+    )
+    # A null loss is absent, never a made-up zero.
+    assert registry.get_sample_value("guard_loss", {"run_id": "r1", "rank": "4"}) is None
+    assert registry.get_sample_value("guard_ingest_reports_total") == 2
+    assert registry.get_sample_value("guard_ingest_rejected_total", {"reason": "invalid"}) == 0
+
+
+def test_each_app_has_its_own_registry(store: Store) -> None:
+    from prometheus_client import REGISTRY
+
+    assert new_registry(store) is not new_registry(store)
+    assert REGISTRY.get_sample_value("guard_step", {"run_id": "r1", "rank": "3"}) is None
+
+
+@pytest.mark.prometheus
+def test_promtool_check_metrics_is_silent(store: Store) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus; bootstrap --dev)")
+    text = generate_latest(new_registry(store))
+    out = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, timeout=30
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
