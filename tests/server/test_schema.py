@@ -30,7 +30,7 @@ def _set(doc: dict[str, Any], path: tuple[str | int, ...], value: Any) -> dict[s
 
 
 R = ("reports", 0)
-BAD: list[tuple[tuple[str | int, ...], Any, str]] = [
+BAD: list[tuple[tuple[str | int, ...], Any, str | None]] = [
     (("run_id",), "", "string_too_short"),
     (("run_id",), "x" * 129, "string_too_long"),
     (("run_id",), "has space", "string_pattern_mismatch"),
@@ -41,6 +41,7 @@ BAD: list[tuple[tuple[str | int, ...], Any, str]] = [
     (("reports",), [], "too_short"),
     ((*R, "step"), -1, "greater_than_equal"),
     ((*R, "step"), 1.5, "int_type"),
+    ((*R, "step"), 3.0, None),  # JSON Schema calls 3.0 an integer, so the server does too
     ((*R, "padding_mass"), 1.5, "less_than_equal"),
     ((*R, "padding_mass"), -0.1, "greater_than_equal"),
     ((*R, "nonfinite", "logits"), 2**53 + 1, "less_than_equal"),

@@ -1,0 +1,42 @@
+"""The FastAPI application: one store, one registry, four routers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from guard_server import routes_health, routes_ingest, routes_metrics, routes_runs
+from guard_server.collector import new_registry
+from guard_server.settings import Settings
+from guard_server.store import Store
+
+__all__ = ["create_app"]
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    app.state.ready = True
+    yield
+    # Tell load balancers to stop sending before uvicorn drains the open connections.
+    app.state.ready = False
+
+
+def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
+    """Build the guard server app; pass `store` to share state with an in-process caller."""
+    settings = settings if settings is not None else Settings()
+    store = store if store is not None else Store(settings)
+    app = FastAPI(
+        title="guard server",
+        summary="Collects logitguard step reports and serves them to Prometheus.",
+        version="1",
+        lifespan=_lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    app.state.registry = new_registry(store)  # per app: two apps in one process never clash
+    app.state.ready = False
+    for module in (routes_ingest, routes_metrics, routes_runs, routes_health):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,123 @@
+"""The in-process endpoint: the server app under uvicorn in a daemon thread of the trainer."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+from types import TracebackType
+
+import uvicorn
+
+from guard_server.app import create_app
+from guard_server.errors import PortInUseError
+from guard_server.runner import uvicorn_config
+from guard_server.settings import Settings
+from guard_server.store import Store
+
+__all__ = ["EmbeddedServer"]
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that signals the starting thread once startup has run."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.startup_done = threading.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Run uvicorn's startup, then wake `start()` whether it worked or not."""
+        try:
+            await super().startup(sockets)
+        finally:
+            self.startup_done.set()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    # Bound here, in the caller's thread, so a taken port is an exception the caller can
+    # catch, not a log line in a thread that then dies.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind right after a restart
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(host, port) from exc
+        raise
+    return sock
+
+
+class EmbeddedServer:
+    """`create_app()` served from a daemon thread; feed `.store` directly, scrape `.url`."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 9464,
+        *,
+        settings: Settings | None = None,
+        store: Store | None = None,
+        start_timeout_s: float = 10.0,
+    ) -> None:
+        self.host = host
+        self.port = port  # 0 picks a free port; start() replaces it with the bound one
+        if settings is None:
+            # Quiet: the trainer's log is for training, not for uvicorn's start-up lines.
+            settings = Settings(host=host, port=port, log_level="warning")
+        self.settings = settings
+        self.app = create_app(self.settings, store)
+        self.store: Store = self.app.state.store
+        self.url: str | None = None
+        self._start_timeout_s = start_timeout_s
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        """Bind and serve; return the base URL. Raises PortInUseError if the port is taken."""
+        if self.url is not None:
+            return self.url
+        sock = _bind(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn_config(
+            self.app, self.settings, host=self.host, port=self.port, own_logging=False
+        )
+        server = _Server(config)
+        thread = threading.Thread(
+            target=server.run,
+            kwargs={"sockets": [sock]},
+            name=f"guard-metrics:{self.port}",
+            daemon=True,  # never keeps a finished training process alive
+        )
+        self._server, self._thread = server, thread
+        thread.start()
+        if not server.startup_done.wait(self._start_timeout_s) or not server.started:
+            self.stop()
+            sock.close()
+            raise RuntimeError(
+                f"guard metrics endpoint on {self.host}:{self.port} did not start within "
+                f"{self._start_timeout_s} s; training goes on without it"
+            )
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{self.port}"
+        return self.url
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving and join the thread (at most `timeout_s`); idempotent."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        self.url = None
+        if server is None or thread is None:
+            return
+        server.should_exit = True
+        thread.join(timeout_s)
+
+    def __enter__(self) -> EmbeddedServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

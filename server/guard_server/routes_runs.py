@@ -1,0 +1,34 @@
+"""GET /v1/runs and /v1/runs/{run_id}: the stored state as JSON."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Request
+
+from guard_server.store import Store
+from guard_server.views import Problem, RankState, RunDetail, RunList, summarize
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["runs"])
+
+
+@router.get("/v1/runs", response_model=RunList, summary="Runs the server holds")
+def list_runs(request: Request) -> RunList:
+    """One summary per run: rank count, finished ranks, highest step, last report time."""
+    store: Store = request.app.state.store
+    return RunList(runs=summarize(store.snapshot().ranks))
+
+
+@router.get(
+    "/v1/runs/{run_id}",
+    response_model=RunDetail,
+    responses={404: {"model": Problem, "description": "no live rank of this run"}},
+    summary="Per-rank state of one run",
+)
+def get_run(run_id: str, request: Request) -> RunDetail:
+    """Every rank's last step, last report time, latest values and last violations."""
+    store: Store = request.app.state.store
+    views = store.snapshot(run_id).ranks
+    if not views:
+        raise HTTPException(404, f"no run {run_id!r}: never reported, or all its ranks expired")
+    return RunDetail(run_id=run_id, ranks=[RankState.of(v) for v in views])

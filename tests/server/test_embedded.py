@@ -1,0 +1,64 @@
+"""EmbeddedServer: the app under uvicorn in a daemon thread, fed in-process."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+from typing import Any
+
+import httpx
+import pytest
+from guard_server import EmbeddedServer, PortInUseError, ReportBatch, Settings
+
+
+def test_in_process_ingest_shows_on_the_scrape(make_batch: Any) -> None:
+    root_handlers = list(logging.getLogger().handlers)
+    with EmbeddedServer(port=0, settings=Settings(port=0)) as server:
+        assert server.url == f"http://127.0.0.1:{server.port}" and server.port != 0
+        server.store.ingest(ReportBatch.model_validate(make_batch("emb", 2, steps=(41,))))
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'guard_step{rank="2",run_id="emb"} 41.0' in text
+        (thread,) = [t for t in threading.enumerate() if t.name == f"guard-metrics:{server.port}"]
+        assert thread.daemon
+    assert not thread.is_alive()
+    assert logging.getLogger().handlers == root_handlers  # the trainer's logging is left alone
+
+
+def test_a_taken_port_raises_port_in_use() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        server = EmbeddedServer(port=port, settings=Settings(port=port))
+        with pytest.raises(PortInUseError) as info:
+            server.start()
+    assert isinstance(info.value, OSError) and info.value.errno == errno.EADDRINUSE
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert server.url is None
+    server.stop()  # harmless when never started
+
+
+def test_stop_is_idempotent_and_frees_the_port() -> None:
+    server = EmbeddedServer(port=0, settings=Settings(port=0))
+    url = server.start()
+    assert server.start() == url  # already running: same URL
+    port = server.port
+    server.stop()
+    server.stop()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/healthz", timeout=1)
+    again = EmbeddedServer(port=port, settings=Settings(port=port))
+    assert again.start() == url
+    again.stop()
+
+
+def test_two_servers_in_one_process_keep_apart(make_batch: Any) -> None:
+    with (
+        EmbeddedServer(port=0, settings=Settings(port=0)) as one,
+        EmbeddedServer(port=0, settings=Settings(port=0)) as two,
+    ):
+        one.store.ingest(ReportBatch.model_validate(make_batch("only-one")))
+        assert "only-one" in httpx.get(f"{one.url}/metrics").text
+        assert "only-one" not in httpx.get(f"{two.url}/metrics").text

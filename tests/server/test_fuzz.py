@@ -1,0 +1,19 @@
+"""Fuzz POST /v1/reports from the app's own OpenAPI schema: no input makes a 5xx."""
+
+from __future__ import annotations
+
+import schemathesis
+from guard_server import Settings, create_app
+from hypothesis import HealthCheck, settings
+
+# Caps far above what ~100 examples can reach, so a valid batch is never a 429.
+APP = create_app(Settings(max_runs=100_000, max_ranks_per_run=100_000))
+SCHEMA = schemathesis.openapi.from_asgi("/openapi.json", APP)
+
+
+@SCHEMA.include(path="/v1/reports", method="POST").parametrize()
+@settings(
+    max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+def test_ingest_never_fails_on_its_own_schema(case: schemathesis.Case) -> None:
+    case.call_and_validate()
