@@ -1,0 +1,120 @@
+"""The Grafana dashboard JSON: schema, variables, datasources, and the PromQL it runs."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.dashboards.queries import (
+    DESIGN,
+    GUARD_METRICS,
+    ROOT,
+    SERVER_METRICS,
+    load_dashboard,
+    metric_names,
+    panels,
+    selectors,
+)
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+DATASOURCES = ROOT / "dashboards/grafana/provisioning/datasources/logitguard.yaml"
+
+
+@pytest.fixture
+def dashboard() -> dict[str, Any]:
+    return load_dashboard()
+
+
+def _panel(dashboard: dict[str, Any], title: str) -> dict[str, Any]:
+    (found,) = [p for p in panels(dashboard) if p["title"] == title]
+    return found
+
+
+def _targets(dashboard: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(p["title"], t) for p in panels(dashboard) for t in p["targets"]]
+
+
+def test_identity_and_schema(dashboard: dict[str, Any]) -> None:
+    assert dashboard["uid"] == "logitguard-overview"
+    assert 39 <= dashboard["schemaVersion"] <= 41
+    assert "id" not in dashboard or dashboard["id"] is None  # provisioning assigns ids
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    ids = [p["id"] for p in rows] + [p["id"] for p in panels(dashboard)]
+    assert len(set(ids)) == len(ids), "panel ids must be unique"
+
+
+def test_variables(dashboard: dict[str, Any]) -> None:
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    (provisioned,) = yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    assert variables["datasource"]["current"]["value"] == provisioned["uid"]
+    for name in ("run_id", "rank"):
+        var = variables[name]
+        assert var["type"] == "query"
+        assert var["datasource"] == DATASOURCE
+        assert var["multi"] is True and var["includeAll"] is True
+        assert var["allValue"] == ".*"
+        assert re.fullmatch(rf"label_values\(.+,\s*{name}\)", var["query"]["query"])
+    # Choosing runs narrows the ranks offered.
+    assert "$run_id" in variables["rank"]["query"]["query"]
+
+
+def test_every_panel_and_query_uses_the_datasource_variable(dashboard: dict[str, Any]) -> None:
+    for panel in panels(dashboard):
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"], f"{panel['title']}: no query"
+        for target in panel["targets"]:
+            assert target.get("datasource", DATASOURCE) == DATASOURCE, panel["title"]
+
+
+def test_queries_use_contract_metrics_filtered_by_run_and_rank(dashboard: dict[str, Any]) -> None:
+    for title, target in _targets(dashboard):
+        expr = target["expr"]
+        names = metric_names(expr)
+        assert names and names <= GUARD_METRICS, f"{title}: unknown metrics {names - GUARD_METRICS}"
+        for metric, matchers in selectors(expr):
+            if metric in SERVER_METRICS:
+                continue
+            assert 'run_id=~"$run_id"' in matchers, f"{title}: {metric} not filtered by run_id"
+            assert 'rank=~"$rank"' in matchers, f"{title}: {metric} not filtered by rank"
+
+
+def test_every_contract_metric_is_on_a_panel(dashboard: dict[str, Any]) -> None:
+    shown = set().union(*(metric_names(t["expr"]) for _, t in _targets(dashboard)))
+    assert shown == GUARD_METRICS
+
+
+@pytest.mark.parametrize("what", ["mean", "max"])
+def test_padding_mass_is_a_ratio_with_the_threshold_line(
+    dashboard: dict[str, Any], what: str
+) -> None:
+    defaults = _panel(dashboard, f"Padding mass, {what} (pre-mask)")["fieldConfig"]["defaults"]
+    assert defaults["unit"] == "percentunit"
+    assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
+    # 1e-6: the seed's invariant, the same threshold as GuardPaddingMassHigh.
+    assert [s["value"] for s in defaults["thresholds"]["steps"]] == [None, 1e-06]
+
+
+def test_last_report_age_marks_the_rank_silent_threshold(dashboard: dict[str, Any]) -> None:
+    defaults = _panel(dashboard, "Seconds since last report")["fieldConfig"]["defaults"]
+    assert defaults["unit"] == "s"
+    assert [s["value"] for s in defaults["thresholds"]["steps"]] == [None, 120]
+
+
+def test_halted_ranks_is_a_stat_that_reads_zero_when_none(dashboard: dict[str, Any]) -> None:
+    panel = _panel(dashboard, "Halted ranks")
+    assert panel["type"] == "stat"
+    assert panel["fieldConfig"]["defaults"]["noValue"] == "0"
+
+
+def test_metric_list_matches_design() -> None:
+    if not DESIGN.is_file():
+        pytest.skip(f"{DESIGN} not present (the shared contract lives beside the checkout)")
+    table = DESIGN.read_text().split("| metric | type | extra labels |", 1)[1]
+    rows = re.findall(r"^\|(.*?)\|", table.split("\n\n", 1)[0], re.M)
+    design = {name for row in rows for name in re.findall(r"`(guard_\w+)`", row)}
+    assert design == GUARD_METRICS
