@@ -38,7 +38,7 @@ def fault_exposition(scrape: int, now: float) -> str:
     r0 = f'run_id="{RUN}",rank="0"'
     r1 = f'run_id="{RUN}",rank="1"'
     n = scrape
-    families = [
+    families: list[tuple[str, str, list[tuple[str, float]]]] = [
         ("guard_step", "gauge", [(r0, 100 + n), (r1, 40)]),
         ("guard_last_report_timestamp_seconds", "gauge", [(r0, now), (r1, now - 600)]),
         ("guard_loss", "gauge", [(r0, 87.3), (r1, 2.1)]),
@@ -75,8 +75,10 @@ def fault_exposition(scrape: int, now: float) -> str:
     lines = []
     for name, kind, samples in families:
         lines += [f"# HELP {name} {name} for the dashboard tests.", f"# TYPE {name} {kind}"]
-        lines += [f"{name}{{{labels}}} {value}" if labels else f"{name} {value}"
-                  for labels, value in samples]
+        lines += [
+            f"{name}{{{labels}}} {value}" if labels else f"{name} {value}"
+            for labels, value in samples
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -108,8 +110,7 @@ def serve_exposition(render: Render = fault_exposition) -> Iterator[str]:
     thread = threading.Thread(target=server.serve_forever, name="exposition", daemon=True)
     thread.start()
     try:
-        host, port = server.server_address[:2]
-        yield f"{host}:{port}"
+        yield f"127.0.0.1:{server.server_port}"
     finally:
         server.shutdown()
         server.server_close()
