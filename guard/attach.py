@@ -23,6 +23,8 @@ from guard.hooks import Probe, ProbeConfig
 from guard.policy import Policy, coerce_policy, default_run_id
 from guard.report import build_report, empty_stats
 from guard.sinks import Sink
+from guard.sinks.push import PushSink
+from guard.sinks.serve import start_embedded
 from guard.vocab import Audit, audit_sizes
 
 __all__ = ["Guard", "attach", "audit"]
@@ -128,6 +130,7 @@ class Guard:
         self._events: list[Violation] = []
         self._halted: str | None = None
         self._detached = False
+        self.metrics_url: str | None = None  # the embedded endpoint, when it runs
 
     # -- public ------------------------------------------------------------------------------
 
@@ -143,6 +146,18 @@ class Guard:
     @property
     def vocab(self) -> dict[str, int]:
         return {"real": self.audit.real, "rows": self.audit.rows, "aligned": self.audit.aligned}
+
+    def _export(self) -> None:
+        """Sinks from the policy's export section; a sink that cannot start is a warning."""
+        ex = self.policy.export
+        address = ex.serve_address(self.local_rank)
+        if address is not None:
+            sink = start_embedded(*address)
+            if sink is not None:
+                self.metrics_url = f"{sink.url}/metrics"
+                self.add_sink(sink)
+        if ex.push is not None:
+            self.add_sink(PushSink(ex.push))
 
     def add_sink(self, sink: Sink) -> None:
         bind = getattr(sink, "bind", None)
@@ -380,7 +395,14 @@ def attach(
                       tied=heads.tied, pad_multiple=pol.vocab.pad_multiple,
                       tensor_parallel=pol.vocab.tensor_parallel)
     g = Guard(model, heads, pol, aud, optimizer)
-    g._attach_checks()
+    g._export()
+    try:
+        g._attach_checks()
+    except GuardViolation:
+        g._emit(final=True)  # the halt reaches the metrics before the job stops
+        for sink in g.sinks:
+            sink.close()
+        raise
     if pol.checks.loss_spike.action != "off":
         log.warning("guard: checks.loss_spike is not implemented in this version; it is off "
                     "(set checks.loss_spike.action: off to silence this)")

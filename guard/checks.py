@@ -8,16 +8,29 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "chunk_rows",
     "mask_padding_",
+    "masked_logits",
     "nonfinite_count",
     "out_of_range_count",
     "padding_mass",
+    "padding_mass_parts",
     "sample_rows",
 ]
 
-# Positions per chunk for exact (all-token) padding mass: bounds the float32 temporary to
-# 1024 x rows (200 MB at rows = 50304) whatever the batch.
-EXACT_CHUNK = 1024
+# Elements per chunk of (positions, rows) work. On the CPU a fresh temporary of a few hundred
+# MB costs more in page faults than the arithmetic; 4M elements (16 MB in float32) stay in the
+# allocator's reused heap. On CUDA the caching allocator has no such cost, so chunks only
+# bound memory in exact (all-token) mode: 1024 x rows.
+CPU_CHUNK_ELEMENTS = 1 << 22
+CUDA_CHUNK_ROWS = 1024
+
+
+def chunk_rows(rows: int, device: torch.device) -> int:
+    """Positions per chunk for (positions, rows) reductions on `device`."""
+    if device.type == "cpu":
+        return max(1, CPU_CHUNK_ELEMENTS // rows)
+    return CUDA_CHUNK_ROWS
 
 
 def _check_real(vocab_real: int, rows: int) -> None:
@@ -27,21 +40,27 @@ def _check_real(vocab_real: int, rows: int) -> None:
         raise ValueError(f"vocab_real must be in [1, {rows}] (the logits' last dim), got {vocab_real}")
 
 
-def padding_mass(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
-    """Softmax probability on columns [vocab_real, rows): (..., rows) -> (...), float32.
+def padding_mass_parts(logits: torch.Tensor, vocab_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mass, logsumexp of the real columns), both (...), for logits (..., rows) with padding.
 
     mass = sum(exp(pad)) / (sum(exp(real)) + sum(exp(pad))) = sigmoid(lse(pad) - lse(real)),
-    which never forms exp of a large logit, so it is exact for garbage of any size.
+    which never forms exp of a large logit, so it is exact for garbage of any size. The
+    second value is non-finite exactly when a real column holds NaN or +Inf.
     """
-    rows = logits.shape[-1]
-    _check_real(vocab_real, rows)
-    if vocab_real == rows:
-        return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
     # Half precision loses the small masses we alert on (1e-6); float64 input stays float64.
     x = logits if logits.dtype == torch.float64 else logits.float()
     lse_real = torch.logsumexp(x[..., :vocab_real], dim=-1)
     lse_pad = torch.logsumexp(x[..., vocab_real:], dim=-1)
-    return torch.sigmoid(lse_pad - lse_real).to(torch.float32)
+    return torch.sigmoid(lse_pad - lse_real).to(torch.float32), lse_real
+
+
+def padding_mass(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
+    """Softmax probability on columns [vocab_real, rows): (..., rows) -> (...), float32."""
+    rows = logits.shape[-1]
+    _check_real(vocab_real, rows)
+    if vocab_real == rows:
+        return torch.zeros(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    return padding_mass_parts(logits, vocab_real)[0]
 
 
 def sample_rows(flat: torch.Tensor, k: int, offset: int) -> torch.Tensor:
@@ -69,9 +88,51 @@ def out_of_range_count(ids: torch.Tensor, vocab_real: int, ignore_index: int | N
 
 
 def mask_padding_(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
-    """Set columns [vocab_real, rows) to -inf in place: zero probability, zero gradient."""
+    """Set columns [vocab_real, rows) to -inf in place: zero probability, zero gradient.
+
+    Outside autograd only (no_grad, eval, detached); `masked_logits` is the autograd-aware form.
+    """
     rows = logits.shape[-1]
     _check_real(vocab_real, rows)
     if vocab_real < rows:
         logits[..., vocab_real:].fill_(float("-inf"))
     return logits
+
+
+class _MaskPadding(torch.autograd.Function):
+    """In-place mask whose backward zeroes the padding columns of the gradient in place.
+
+    A plain in-place fill on a slice is recorded as CopySlices, whose backward clones the whole
+    (tokens, rows) gradient; this one allocates nothing of that size.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, logits: torch.Tensor,
+                vocab_real: int) -> torch.Tensor:
+        logits[..., vocab_real:].fill_(float("-inf"))
+        ctx.mark_dirty(logits)
+        ctx.vocab_real = vocab_real  # type: ignore[attr-defined]
+        return logits
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        real: int = ctx.vocab_real  # type: ignore[attr-defined]
+        # The incoming gradient is a temporary of the engine's, handed to this node alone, so
+        # it is zeroed in place; only an expanded one (stride 0, e.g. from .sum()) can't be.
+        if any(st == 0 and n > 1 for st, n in zip(grad.stride(), grad.shape, strict=True)):
+            grad = grad.clone()
+        grad[..., real:] = 0.0
+        return grad, None
+
+
+def masked_logits(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
+    """`mask_padding_` that keeps autograd exact: padding columns get exactly zero gradient."""
+    rows = logits.shape[-1]
+    _check_real(vocab_real, rows)
+    if vocab_real == rows:
+        return logits
+    if logits.requires_grad and torch.is_grad_enabled():
+        out: torch.Tensor = _MaskPadding.apply(logits, vocab_real)
+        return out
+    return mask_padding_(logits, vocab_real)

@@ -13,11 +13,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from guard.checks import (
-    EXACT_CHUNK,
-    mask_padding_,
+    chunk_rows,
+    masked_logits,
     nonfinite_count,
     out_of_range_count,
-    padding_mass,
+    padding_mass_parts,
     sample_rows,
 )
 from guard.flags import Flags, Slot
@@ -120,9 +120,9 @@ class Probe:
             with torch.no_grad():
                 self.flags.add(Slot.NF_HIDDEN, nonfinite_count(args[0]))
 
-    def _head_post(self, module: nn.Module, args: tuple[Any, ...], logits: Any) -> None:
+    def _head_post(self, module: nn.Module, args: tuple[Any, ...], logits: Any) -> Any:
         if not isinstance(logits, torch.Tensor) or logits.shape[-1] != self.cfg.rows:
-            return
+            return None
         c = self.cfg
         if module.training:
             self.flags.follow(logits.device)
@@ -130,29 +130,35 @@ class Probe:
                 self._measure(logits.detach())
         if c.mask:
             # In place, after measuring: the mass reported is the one the mask removed.
-            mask_padding_(logits, c.real)
+            return masked_logits(logits, c.real)
+        return None
 
     def _measure(self, logits: torch.Tensor) -> None:
         c, f = self.cfg, self.flags
         flat = logits.reshape(-1, c.rows)  # (tokens, rows); a view for contiguous logits
-        if c.exact:
-            chunks = [flat[i : i + EXACT_CHUNK] for i in range(0, flat.shape[0], EXACT_CHUNK)]
-        else:
-            chunks = [sample_rows(flat, c.sample_tokens, self.step)]
-        for chunk in chunks:
-            if c.padding_mass and c.real < c.rows:
-                # A NaN mass means NaN logits on the padding columns: count it as all mass.
-                mass = torch.nan_to_num(padding_mass(chunk, c.real), nan=1.0)
+        rows = flat if c.exact else sample_rows(flat, c.sample_tokens, self.step)
+        step = chunk_rows(c.rows, flat.device)
+        measure_mass = c.padding_mass and c.real < c.rows
+        for i in range(0, rows.shape[0], step):
+            chunk = rows[i : i + step]  # (n, rows)
+            if measure_mass:
+                mass, real_rows = padding_mass_parts(chunk, c.real)  # (n,), (n,)
+                # A NaN mass means NaN on the padding columns: count it as all the mass.
+                mass = torch.nan_to_num(mass, nan=1.0)
                 f.add(Slot.PM_SUM, mass.sum())
                 f.max(Slot.PM_MAX, mass.max())
+            else:
+                real_rows = chunk[:, : c.real].sum(dim=-1, dtype=torch.float32)
             if c.padding_mass:
                 f.add_const(Slot.PM_COUNT, chunk.shape[0])
             if c.nonfinite:
-                f.add(Slot.NF_LOGITS, nonfinite_count(chunk[:, : c.real]))
-        if c.nonfinite and not c.exact:
-            # Counted on the sample, detected on every position: one read of the real-vocab
-            # logits, no allocation. A non-finite value anywhere makes the float32 sum
-            # non-finite, so the count is at least 1 whenever one exists.
+                # Rows with a NaN or +Inf among the real-vocab logits make the row's logsumexp
+                # (or sum) non-finite: counted per position, from values already reduced.
+                f.add(Slot.NF_LOGITS, nonfinite_count(real_rows))
+        if c.nonfinite and not c.exact and logits.dtype == torch.float16:
+            # float16 logits can overflow at single (position, column) pairs the sample misses;
+            # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
+            # check and the sample (every position sees every weight) already catch.
             total = flat[:, : c.real].sum(dtype=torch.float32)
             f.max(Slot.NF_LOGITS, torch.isfinite(total).logical_not())
 

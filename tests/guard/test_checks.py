@@ -109,3 +109,31 @@ def test_nonfinite_and_out_of_range_counts() -> None:
     ids = torch.tensor([0, 5, 99, 100, 127, 128, -1, -100])
     assert int(out_of_range_count(ids, 100, -100)) == 4  # 100, 127, 128, -1
     assert int(out_of_range_count(ids, 100, None)) == 5
+
+
+@settings(max_examples=25, deadline=None)
+@given(real=st.integers(2, 30), extra=st.integers(1, 20), seed=st.integers(0, 2**31 - 1))
+def test_masked_logits_gradient_equals_real_only_gradient(real: int, extra: int,
+                                                          seed: int) -> None:
+    from guard.checks import masked_logits
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(real + extra, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
+    target = torch.randint(0, real, (6,), generator=g)
+    logits = masked_logits(h @ w.T, real)  # (2, 3, rows), autograd path
+    F.cross_entropy(logits.view(-1, real + extra), target).backward()
+    w_ref = w.detach()[:real].clone().requires_grad_(True)
+    F.cross_entropy((h @ w_ref.T).view(-1, real), target).backward()
+    assert w.grad is not None and w_ref.grad is not None
+    assert torch.allclose(w.grad[:real], w_ref.grad)
+    assert torch.count_nonzero(w.grad[real:]) == 0
+
+
+def test_masked_logits_backward_from_an_expanded_gradient() -> None:
+    from guard.checks import masked_logits
+
+    w = torch.randn(10, 4, requires_grad=True)
+    logits = masked_logits(torch.randn(3, 4) @ w.T, 7)
+    logits[:, :7].sum().backward()  # the gradient reaching the mask is an expand of ones
+    assert w.grad is not None and torch.count_nonzero(w.grad[7:]) == 0

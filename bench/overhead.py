@@ -1,0 +1,228 @@
+"""Training-step overhead of the guard, as ratios against an unguarded baseline run side by side.
+
+Every arm trains its own copy of one GPT-style model (same init, same batches); the arms take
+turns step by step in one process, so drift in the machine hits all of them alike. Reported:
+median step time (forward, backward, AdamW) of each arm over the baseline's median.
+
+    python bench/overhead.py                      # CPU default, a few minutes on 2 cores
+    python bench/overhead.py --device cuda --n-embd 768 --n-layer 12 --batch 8 --block 1024
+    python bench/overhead.py --write docs/benchmarks.md
+
+Arms: default policy, mask, all checks warn, exact padding mass, and the anchors
+torch.autograd.detect_anomaly() and transformers' DebugUnderflowOverflow. Peak memory with and
+without the mask is measured in child processes (one arm each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import guard  # noqa: E402
+from guard.demo.model import GPT, GPTConfig  # noqa: E402
+
+REAL, ROWS = 50257, 50304  # GPT-2's tokenizer, padded to a multiple of 64
+QUIET = {"export": {"serve": None}}
+ARMS: dict[str, dict[str, Any] | str | None] = {
+    "baseline": None,
+    "default": {},
+    "mask": {"checks": {"padding_mass": {"action": "mask"}, "nonfinite": {"action": "warn"},
+                        "token_range": {"action": "warn"}, "loss_spike": {"action": "off"}}},
+    "all-warn": {"checks": {c: {"action": "warn"} for c in
+                            ("alignment", "vocab", "padding_mass", "nonfinite", "token_range",
+                             "loss_spike")}},
+    "exact": {"checks": {"padding_mass": {"action": "mask", "exact": True}}},
+    "detect_anomaly": "anomaly",
+    "DebugUnderflowOverflow": "debug_uo",
+}
+
+
+def _policy(arm: dict[str, Any]) -> dict[str, Any]:
+    return {**QUIET, **arm}
+
+
+class Arm:
+    """One model copy, its optimizer and whatever wraps its step."""
+
+    def __init__(self, name: str, base: GPT, device: str) -> None:
+        self.name = name
+        self.model = copy.deepcopy(base).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, fused=False)
+        self.times: list[float] = []
+        self.guard: guard.Guard | None = None
+        self.debug: Any = None
+        spec = ARMS[name]
+        if isinstance(spec, dict):
+            self.guard = guard.attach(self.model, policy=_policy(spec), vocab_size=REAL,
+                                      optimizer=self.opt)
+        elif spec == "debug_uo":
+            from transformers.debug_utils import DebugUnderflowOverflow
+
+            self.debug = DebugUnderflowOverflow(self.model, max_frames_to_save=1)
+
+    def context(self) -> contextlib.AbstractContextManager[Any]:
+        if ARMS[self.name] == "anomaly":
+            return torch.autograd.detect_anomaly(check_nan=True)
+        return contextlib.nullcontext()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None]) -> None:
+        sync()
+        t0 = time.perf_counter()
+        with self.context():
+            _, loss = self.model(x, y)
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        sync()
+        self.times.append(time.perf_counter() - t0)
+
+
+def batches(n: int, b: int, t: int, device: str, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randint(0, REAL, (b, t + 1), generator=g).to(device)
+        yield x[:, :-1], x[:, 1:]
+
+
+def run_interleaved(args: argparse.Namespace, names: list[str]) -> dict[str, float]:
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=ROWS, block_size=args.block, n_layer=args.n_layer,
+                         n_head=args.n_head, n_embd=args.n_embd))
+    arms = [Arm(n, base, args.device) for n in names]
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    for i, (x, y) in enumerate(batches(args.warmup + args.steps, args.batch, args.block, args.device)):
+        order = arms if i % 2 == 0 else arms[::-1]  # alternate who goes first
+        for arm in order:
+            arm.step(x, y, sync)
+        if i == args.warmup - 1:
+            for arm in arms:
+                arm.times.clear()
+    for arm in arms:
+        if arm.guard is not None:
+            arm.guard.detach()
+    return {a.name: statistics.median(a.times) for a in arms}
+
+
+def peak_memory(args: argparse.Namespace, name: str) -> float:
+    """Peak memory (MiB) of a child process training one arm: CUDA allocator peak, or RSS."""
+    cmd = [sys.executable, __file__, "--memory-child", name, "--device", args.device,
+           "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head",
+           str(args.n_head), "--batch", str(args.batch), "--block", str(args.block)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["peak_mib"])
+
+
+def memory_child(args: argparse.Namespace) -> None:
+    import resource
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=ROWS, block_size=args.block, n_layer=args.n_layer,
+                         n_head=args.n_head, n_embd=args.n_embd))
+    arm = Arm(args.memory_child, base, args.device)
+    del base
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for x, y in batches(3, args.batch, args.block, args.device):
+        arm.step(x, y, sync)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({"peak_mib": peak}))
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import os
+
+    desc = f"{cpu}, {os.cpu_count()} cores"
+    if torch.cuda.is_available():
+        desc += f", GPU {torch.cuda.get_device_name(0)}"
+    return f"{desc}; Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--write", type=Path, help="replace the Overhead section of this markdown file")
+    p.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.memory_child:
+        memory_child(args)
+        return
+    names = args.arms.split(",")
+    if "baseline" not in names:
+        names.insert(0, "baseline")
+    unknown = set(names) - set(ARMS)
+    if unknown:
+        p.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    med = run_interleaved(args, names)
+    rows = [(n, med[n] * 1e3, med[n] / med["baseline"]) for n in names]
+    added = {n: med[n] - med["baseline"] for n in names}
+    lines = ["| arm | median step (ms) | ratio vs baseline |", "|---|---|---|"]
+    lines += [f"| {n} | {ms:.1f} | {r:.3f}x |" for n, ms, r in rows]
+    if "detect_anomaly" in med and "default" in med:
+        da, dflt = added["detect_anomaly"], added["default"]
+        factor = da / dflt if dflt > 0 else float("inf")
+        lines.append("")
+        lines.append(f"Added time: default {dflt * 1e3:.2f} ms, detect_anomaly {da * 1e3:.1f} ms: "
+                     f"the default policy adds {'%.0f' % factor if factor != float('inf') else 'inf'}x "
+                     "less time than detect_anomaly.")
+    if not args.no_memory:
+        base_mem, mask_mem = peak_memory(args, "baseline"), peak_memory(args, "mask")
+        lines.append("")
+        lines.append(f"Peak memory ({'CUDA allocator' if args.device.startswith('cuda') else 'RSS'}"
+                     f", child process per arm): baseline {base_mem:.0f} MiB, mask "
+                     f"{mask_mem:.0f} MiB: {mask_mem / base_mem:.3f}x.")
+    cmd = "python bench/overhead.py " + " ".join(sys.argv[1:])
+    header = (f"Machine: {machine()}.\n\nCommand: `{cmd.strip()}` (model: {args.n_layer} layers, "
+              f"d={args.n_embd}, batch {args.batch} x {args.block} tokens, vocab {REAL} real / "
+              f"{ROWS} rows; {args.steps} timed steps per arm after {args.warmup} warm-up, "
+              "interleaved).\n")
+    text = header + "\n" + "\n".join(lines) + "\n"
+    print(text)
+    if args.write:
+        write_section(args.write, f"Overhead ({args.device})", text)
+
+
+def write_section(path: Path, title: str, body: str) -> None:
+    """Replace (or append) the `## {title}` section of a markdown file."""
+    head = f"## {title}"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    parts = text.split("\n## ")
+    kept = [parts[0]] + [s for s in parts[1:] if not s.startswith(title + "\n")]
+    out = "\n## ".join(kept).rstrip("\n") + f"\n\n{head}\n\n{body}"
+    path.write_text(out)
+
+
+if __name__ == "__main__":
+    main()

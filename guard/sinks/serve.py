@@ -1,0 +1,57 @@
+"""The embedded /metrics endpoint: the server's own app, in a uvicorn thread of the trainer,
+fed in-process (no HTTP on the training side)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+__all__ = ["EmbeddedSink", "start_embedded"]
+
+log = logging.getLogger("guard")
+
+
+class EmbeddedSink:
+    """Validates each report against the server's schema and stores it in the app's store."""
+
+    def __init__(self, host: str, port: int) -> None:
+        # Imported here: the library needs fastapi only when it serves (DESIGN.md).
+        from guard_server.embedded import EmbeddedServer
+        from guard_server.schema import ReportBatch
+
+        self._batch = ReportBatch
+        self.server = EmbeddedServer(host, port)
+        self.url = self.server.start()
+        self.run_id = ""
+        self.rank = 0
+
+    def bind(self, run_id: str, rank: int) -> None:
+        self.run_id, self.rank = run_id, rank
+
+    def emit(self, report: dict[str, Any]) -> None:
+        batch = self._batch.model_validate(
+            {"run_id": self.run_id, "rank": self.rank, "reports": [report]}
+        )
+        self.server.store.ingest(batch)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.server.stop(timeout)
+
+
+def start_embedded(host: str, port: int) -> EmbeddedSink | None:
+    """The sink, or None with a warning when it cannot serve: training goes on either way."""
+    try:
+        sink = EmbeddedSink(host, port)
+    except ImportError as e:
+        log.warning("guard: the embedded /metrics endpoint needs the serve extra "
+                    "(pip install 'logitguard[serve]'): %s; continuing without it", e)
+        return None
+    except OSError as e:  # PortInUseError is an OSError
+        log.warning("guard: cannot serve /metrics on %s:%d (%s); continuing without it. Set "
+                    "export.serve to another host:port, or null.", host, port, e)
+        return None
+    except RuntimeError as e:
+        log.warning("guard: %s", e)
+        return None
+    log.info("guard: metrics at %s/metrics", sink.url)
+    return sink
