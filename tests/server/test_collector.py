@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from guard_server import ReportBatch, Settings, Store
 from guard_server.collector import new_registry
-from prometheus_client.exposition import generate_latest
+from guard_server.routes_metrics import encoder_for
+from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 # DESIGN.md, "Metric names": name -> (type, extra labels). Counters are keyed by the exposed
@@ -99,3 +100,25 @@ def test_promtool_check_metrics_is_silent(store: Store) -> None:
         [promtool, "check", "metrics"], input=text, capture_output=True, timeout=30
     )
     assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
+
+
+PROMETHEUS_ACCEPT = (  # what Prometheus 2.42 sends when it scrapes
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+@pytest.mark.parametrize(
+    "accept",
+    [
+        PROMETHEUS_ACCEPT,
+        "",
+        "text/plain;version=1.0.0;escaping=underscores",
+        "application/openmetrics-text;version=1.0.0;escaping=dots",
+    ],
+)
+def test_the_faster_encoding_writes_prometheus_clients_bytes(store: Store, accept: str) -> None:
+    registry = new_registry(store)
+    fast, fast_type = encoder_for(accept)
+    plain, plain_type = choose_encoder(accept)
+    assert (fast(registry), fast_type) == (plain(registry), plain_type)
