@@ -23,9 +23,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "dashboards/prometheus/guard-alerts.yml"
 DATASOURCES = ROOT / "dashboards/grafana/provisioning/datasources/logitguard.yaml"
+DASHBOARD_PROVIDERS = ROOT / "dashboards/grafana/provisioning/dashboards/logitguard.yaml"
 OUTPUT = ROOT / "dashboards/grafana/provisioning/alerting/guard-alerts.yaml"
 
-FOLDER = "logitguard"  # the dashboard provider's folder, so rules sit beside the dashboard
 QUERY, CONDITION = "A", "B"
 # A Prometheus alert fires for every series its expression returns, whatever the value
 # (`up == 0` returns 0s). is_number() is 1 for each returned sample, so the Grafana rule
@@ -51,6 +51,16 @@ def datasource_uid(path: Path = DATASOURCES) -> str:
     if len(uids) != 1:
         raise GenerationError(f"{path}: expected one prometheus datasource with a uid, got {uids}")
     return str(uids[0])
+
+
+def dashboard_folder(path: Path = DASHBOARD_PROVIDERS) -> str:
+    """The folder the dashboards are provisioned into; the rules go beside them."""
+    folders = {p.get("folder") for p in yaml.safe_load(path.read_text()).get("providers", [])}
+    if len(folders) != 1 or None in folders:
+        raise GenerationError(
+            f"{path}: expected one dashboard folder, got {sorted(map(str, folders))}"
+        )
+    return str(folders.pop())
 
 
 def rule_uid(alert: str) -> str:
@@ -112,7 +122,7 @@ def grafana_rule(rule: dict[str, Any], ds_uid: str) -> dict[str, Any]:
     }
 
 
-def grafana_groups(rules_doc: dict[str, Any], ds_uid: str) -> dict[str, Any]:
+def grafana_groups(rules_doc: dict[str, Any], ds_uid: str, folder: str) -> dict[str, Any]:
     """The whole provisioning document for a Prometheus rules document."""
     groups = []
     for group in rules_doc.get("groups", []):
@@ -126,7 +136,7 @@ def grafana_groups(rules_doc: dict[str, Any], ds_uid: str) -> dict[str, Any]:
             {
                 "orgId": 1,
                 "name": group["name"],
-                "folder": FOLDER,
+                "folder": folder,
                 "interval": str(group.get("interval", DEFAULT_INTERVAL)),
                 "rules": [grafana_rule(r, ds_uid) for r in group["rules"]],
             }
@@ -146,9 +156,12 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def render(rules: Path = RULES, datasources: Path = DATASOURCES) -> str:
+def render(
+    rules: Path = RULES, datasources: Path = DATASOURCES, providers: Path = DASHBOARD_PROVIDERS
+) -> str:
     """The provisioning file's text."""
-    doc = grafana_groups(yaml.safe_load(rules.read_text()), datasource_uid(datasources))
+    rules_doc = yaml.safe_load(rules.read_text())
+    doc = grafana_groups(rules_doc, datasource_uid(datasources), dashboard_folder(providers))
     # An unbounded width keeps each annotation on one line, never split inside a {{ }}.
     body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=1 << 16, allow_unicode=True)
     return HEADER + body

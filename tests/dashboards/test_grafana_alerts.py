@@ -16,6 +16,7 @@ from tests.dashboards.queries import ROOT, alert_rules
 SCRIPT = ROOT / "scripts/gen_grafana_alerts.py"
 GRAFANA_RULES = ROOT / "dashboards/grafana/provisioning/alerting/guard-alerts.yaml"
 DATASOURCES = ROOT / "dashboards/grafana/provisioning/datasources/logitguard.yaml"
+PROVIDERS = ROOT / "dashboards/grafana/provisioning/dashboards/logitguard.yaml"
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_check_flag_fails_on_a_stale_file(
 def test_recording_rules_are_refused(gen: ModuleType) -> None:
     doc = {"groups": [{"name": "g", "rules": [{"record": "guard:x", "expr": "guard_step"}]}]}
     with pytest.raises(gen.GenerationError, match="guard:x"):
-        gen.grafana_groups(doc, "uid")
+        gen.grafana_groups(doc, "uid", "folder")
 
 
 def test_grafana_rules_match_the_prometheus_rules() -> None:
@@ -71,6 +72,8 @@ def test_grafana_rules_match_the_prometheus_rules() -> None:
     grafana = {rule["title"]: rule for rule in group["rules"]}
     assert list(grafana) == list(prom)
     (ds_uid,) = [d["uid"] for d in yaml.safe_load(DATASOURCES.read_text())["datasources"]]
+    (provider,) = yaml.safe_load(PROVIDERS.read_text())["providers"]
+    assert group["folder"] == provider["folder"], "rules and dashboard in different folders"
     for name, rule in grafana.items():
         query, condition = rule["data"]
         assert query["datasourceUid"] == ds_uid
