@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tests.dashboards.queries import (
+    ALL,
     DESIGN,
     GUARD_METRICS,
     ROOT,
@@ -16,7 +17,9 @@ from tests.dashboards.queries import (
     load_dashboard,
     metric_names,
     panels,
+    regex_value,
     selectors,
+    substitute,
 )
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -118,3 +121,13 @@ def test_metric_list_matches_design() -> None:
     rows = re.findall(r"^\|(.*?)\|", table.split("\n\n", 1)[0], re.M)
     design = {name for row in rows for name in re.findall(r"`(guard_\w+)`", row)}
     assert design == GUARD_METRICS
+
+
+def test_variables_substitute_as_grafana_writes_them() -> None:
+    # A run id's dot is escaped for the regex, and the escape itself for the PromQL string.
+    assert regex_value("gpt.small") == "gpt\\\\.small"
+    assert regex_value(["a", "b"]) == "(a|b)"
+    assert regex_value(ALL) == ".*"
+    assert substitute('x{r=~"$rank", s=~"${rank}"}', {"rank": "0"}) == 'x{r=~"0", s=~"0"}'
+    with pytest.raises(KeyError, match=r"\$nope"):
+        substitute("rate(x[$nope])", {})
