@@ -178,8 +178,9 @@ def metric_names(expr: str) -> set[str]:
 
 def selectors(expr: str) -> list[tuple[str, str]]:
     """(metric, matchers) for each vector selector of a metric name in the expression."""
+    names = metric_names(expr)
     return [
         (m.group(1), m.group(2) or "")
         for m in re.finditer(r"\b([a-zA-Z_:][\w:]*)\s*(\{[^}]*\})?", expr)
-        if m.group(1) in metric_names(expr)
+        if m.group(1) in names
     ]

@@ -22,7 +22,7 @@ from tests.dashboards.queries import ROOT
 
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
-DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*[!e]"))  # not the .dockerignore files
+DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile.*") if p.suffix != ".dockerignore")
 SERVER_REQUIREMENTS = DOCKER / "requirements-server.txt"
 
 
