@@ -1,4 +1,9 @@
-"""The in-process endpoint: the server app under uvicorn in a daemon thread of the trainer."""
+"""The in-process endpoint: the server app under uvicorn in a daemon thread of the trainer.
+
+`EmbeddedServer(host, port).start()` returns the base URL, or raises: PortInUseError (an
+OSError) when the port is taken, RuntimeError when uvicorn does not start in time. It never
+returns None; the caller decides whether training goes on without the endpoint.
+"""
 
 from __future__ import annotations
 

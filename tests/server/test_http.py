@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,10 @@ import pytest
 from guard_server import EmbeddedServer, Settings
 from guard_server.testing import free_port
 
+from tests.server.helpers import split_ingest_counters
+
 LIMIT = 64 * 1024
+AUTH = {"Authorization": "Bearer t0ken"}
 
 
 @pytest.fixture
@@ -35,23 +39,25 @@ def _chunks(total: int, size: int = 16 * 1024) -> Iterator[bytes]:
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
-def test_oversize_bodies_are_refused(small_server: EmbeddedServer, framing: str) -> None:
+def test_oversize_bodies_are_refused(
+    small_server: EmbeddedServer, make_batch: Any, framing: str
+) -> None:
     body: Any = b" " * (LIMIT + 1) if framing == "content-length" else _chunks(LIMIT + 1)
-    headers = {"Authorization": "Bearer t0ken", "Content-Type": "application/json"}
     assert small_server.url is not None
-    with httpx.Client(base_url=small_server.url, timeout=10) as client:
-        reply = client.post("/v1/reports", content=body, headers=headers)
+    with httpx.Client(base_url=small_server.url, headers=AUTH, timeout=10) as client:
+        assert client.post("/v1/reports", json=make_batch()).status_code == 202
+        before, rejected = split_ingest_counters(client.get("/metrics").text)
+        reply = client.post("/v1/reports", content=body)
         assert reply.status_code == 413
         assert "65536 bytes" in reply.json()["detail"]
-    assert small_server.store.snapshot().rejected["too_large"] == 1
-    assert httpx.get(f"{small_server.url}/healthz").status_code == 200
+        after, rejected_after = split_ingest_counters(client.get("/metrics").text)
+    assert after == before
+    assert rejected_after == rejected | {"too_large": 1}
 
 
 def test_a_chunked_body_under_the_limit_is_read_whole(
     small_server: EmbeddedServer, make_batch: Any
 ) -> None:
-    import json
-
     body = json.dumps(make_batch(steps=tuple(range(20)))).encode()
     assert len(body) < LIMIT
 
@@ -61,7 +67,7 @@ def test_a_chunked_body_under_the_limit_is_read_whole(
     reply = httpx.post(
         f"{small_server.url}/v1/reports",
         content=chunks(),
-        headers={"Authorization": "Bearer t0ken"},
+        headers=AUTH,
     )
     assert (reply.status_code, reply.json()) == (202, {"accepted": 20})
 
@@ -69,10 +75,7 @@ def test_a_chunked_body_under_the_limit_is_read_whole(
 def test_token_over_http(small_server: EmbeddedServer, make_batch: Any) -> None:
     url = f"{small_server.url}/v1/reports"
     assert httpx.post(url, json=make_batch()).status_code == 401
-    assert (
-        httpx.post(url, json=make_batch(), headers={"Authorization": "Bearer t0ken"}).status_code
-        == 202
-    )
+    assert httpx.post(url, json=make_batch(), headers=AUTH).status_code == 202
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[str], timeout_s: float = 20.0) -> None:
@@ -100,10 +103,7 @@ def test_python_m_guard_server_serves_until_sigterm(make_batch: Any) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, process)
-        headers = {"Authorization": "Bearer t0ken"}
-        assert (
-            httpx.post(f"{url}/v1/reports", json=make_batch(), headers=headers).status_code == 202
-        )
+        assert httpx.post(f"{url}/v1/reports", json=make_batch(), headers=AUTH).status_code == 202
         assert 'guard_step{rank="0",run_id="run-1"} 1.0' in httpx.get(f"{url}/metrics").text
         process.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal so the exit status tells.

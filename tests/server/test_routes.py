@@ -10,6 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from guard_server import Settings, Store, create_app
 
+from tests.server.helpers import split_ingest_counters
+
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -26,15 +28,7 @@ def guarded(make_batch: Any, clock: Any) -> Iterator[TestClient]:
 
 
 def _series(client: TestClient) -> tuple[str, dict[str, float]]:
-    """The /metrics text without the ingest counters, and the rejects by reason."""
-    text = client.get("/metrics").text
-    kept = "".join(line for line in text.splitlines(True) if not line.startswith("guard_ingest_"))
-    rejected = {
-        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("guard_ingest_rejected_total{")
-    }
-    return kept, rejected
+    return split_ingest_counters(client.get("/metrics").text)
 
 
 def test_accepts_a_batch_and_serves_its_state(client: TestClient, wire_example: Any) -> None:
