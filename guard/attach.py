@@ -6,6 +6,7 @@ import logging
 import os
 import weakref
 from collections import Counter
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -17,14 +18,16 @@ from torch.utils.hooks import RemovableHandle
 from guard.checks import nonfinite_count
 from guard.decide import Violation, evaluate, thresholds
 from guard.discovery import Heads, discover
-from guard.errors import AttachError, GuardViolation, PolicyError
+from guard.errors import AttachError, GuardViolation
 from guard.flags import Flags, HostFlags, Slot
 from guard.hooks import Probe, ProbeConfig
+from guard.localise import Inputs, Localiser, capture, rerun
 from guard.policy import Policy, coerce_policy, default_run_id
 from guard.report import build_report, empty_stats
 from guard.sinks import Sink
 from guard.sinks.push import PushSink
 from guard.sinks.serve import start_embedded
+from guard.spike import SpikeTracker
 from guard.vocab import Audit, audit_sizes
 
 __all__ = ["Guard", "attach", "audit"]
@@ -72,15 +75,20 @@ def _real_vocab(vocab_size: int | None, tokenizer: Any, policy: Policy, rows: in
     return next(iter(sources.values()), rows)
 
 
-def _reject_unbuilt(policy: Policy) -> None:
-    """Actions whose implementation has not landed raise instead of passing silently."""
-    problems = [
-        f"checks.{c}.action: 'skip' is not implemented yet; choose fail, warn or off"
-        for c in ("nonfinite", "loss_spike")
-        if getattr(policy.checks, c).action == "skip"
-    ]
-    if problems:
-        raise PolicyError("<attach>", problems)
+def _check_skip(policy: Policy, optimizer: torch.optim.Optimizer | None) -> None:
+    """`skip` drops an optimizer step from the optimizer's step pre-hook, so it needs one."""
+    skipping = [c for c in ("nonfinite", "loss_spike") if policy.action(c) == "skip"]
+    if not skipping:
+        return
+    if optimizer is None:
+        raise AttachError(
+            f"checks.{skipping[0]}.action: skip drops the optimizer step, so the guard needs "
+            "the optimizer: guard.attach(model, optimizer=opt, ...); or choose fail, warn or off"
+        )
+    if policy.cadence.read_every > 1:
+        log.warning("guard: with cadence.read_every %d, skip drops only the step at which the "
+                    "flags are read; the other steps of the window are applied. Use "
+                    "read_every: 1 with skip.", policy.cadence.read_every)
 
 
 class Guard:
@@ -115,6 +123,17 @@ class Guard:
         device = next((p.device for p in heads.lm_head.parameters()), torch.device("cpu"))
         self.flags = Flags(device, thresholds(policy), self.rank)
         self.probe = Probe(self.cfg, self.flags)
+        ls = policy.checks.loss_spike
+        self.spike = None if ls.action == "off" else SpikeTracker(
+            window=ls.window, factor=ls.factor, min_delta=ls.min_delta, warmup=ls.warmup,
+            device=self.flags.device, dtype=self.flags.t.dtype)
+        # Localisation of nonfinite (guard/localise.py): the last training forward's inputs
+        # for a re-run, or flag hooks armed for the next forward; once per run of NaN reads.
+        self._localise = c.nonfinite.action != "off" and c.nonfinite.localise
+        self._inputs: Inputs | None = None
+        self._armed: Localiser | None = None
+        self._armed_step = 0
+        self._localised = False
         # Only warn/mask/off: the host may read one step late and never stall the device.
         self.lagged = all(policy.action(ch) in ("warn", "mask", "off") for ch in _STEP_CHECKS)
         self.sinks: list[Sink] = []
@@ -187,6 +206,10 @@ class Guard:
             h.remove()
         self.probe.handles.clear()
         self._handles.clear()
+        if self._armed is not None:
+            self._armed.disarm()
+            self._armed = None
+        self._inputs = None
         _ATTACHED.pop(self.model, None)
         try:
             if self._forward_pending:
@@ -223,6 +246,8 @@ class Guard:
         self.probe.on_loss = self._record_loss
         self.probe.on_forward_start = self._forward_start
         self.probe.on_forward_end = self._forward_end
+        if self._localise and self.optimizer is not None:
+            self.probe.on_inputs = self._keep_inputs
         self.probe.install(self.model, self.heads.embedding, self.heads.lm_head)
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
@@ -241,7 +266,18 @@ class Guard:
             self._boundary()
 
     def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._boundary()  # before the update, so `fail` leaves the weights untouched
+        # Before the update, so `fail` leaves the weights untouched and `skip` can drop it.
+        closure = args[0] if args else kwargs.get("closure")
+        if self._boundary(in_step=True, closure=closure is not None):
+            # skip: every torch optimizer passes over a parameter whose .grad is None, so
+            # neither the weight (decoupled weight decay included) nor its state (Adam moments
+            # and step, SGD momentum) moves, on the for-loop, foreach and fused paths alike.
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def _keep_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._inputs = capture(args, kwargs, self.flags.device.type)
 
     def _record_loss(self, loss: torch.Tensor) -> None:
         if loss is self._loss_src:
@@ -259,24 +295,41 @@ class Guard:
         self.flags.t[Slot.LOSS_SEEN].fill_(1.0)
         if self.cfg.nonfinite:
             self.flags.add(Slot.NF_LOSS, nonfinite_count(loss))
+        if self.spike is not None:
+            self.spike.follow(self.flags.device, self.flags.t.dtype)
+            spike, ratio = self.spike.update(loss)
+            self.flags.max(Slot.SPIKE, spike)
+            self.flags.max(Slot.SPIKE_RATIO, ratio)
 
-    def _boundary(self, *, raise_fail: bool = True) -> None:
+    def _boundary(self, *, raise_fail: bool = True, in_step: bool = False,
+                  closure: bool = False) -> bool:
+        """Fold the loss, read the flags when due, act; True when the step is to be skipped.
+
+        `in_step`: called from the optimizer's step pre-hook, before the weights change.
+        """
         self._step += 1
         self.probe.step = self._step
         self._fold_loss()
         if self._step % self.policy.cadence.read_every:
-            return
+            return False
         # On the CPU a copy to the host is the read itself: nothing to gain from lagging.
         lagged = self.lagged and self.flags.device.type == "cuda"
         values = self.flags.read(lagged=lagged)
         step = self._read_step if lagged else self._step
         self._read_step = self._step
-        if values is not None:
-            self._apply(values, step, raise_fail=raise_fail)
+        if values is None:
+            return False
+        return self._apply(values, step, raise_fail=raise_fail, in_step=in_step and not lagged,
+                           closure=closure)
 
     # -- host side, at a read ----------------------------------------------------------------
 
-    def _apply(self, values: HostFlags, step: int, *, raise_fail: bool, emit: bool = True) -> None:
+    def _apply(self, values: HostFlags, step: int, *, raise_fail: bool, emit: bool = True,
+               in_step: bool = False, closure: bool = False) -> bool:
+        """Stats, violations, report and action for one read; True: skip this optimizer step.
+
+        `in_step`: the values are this step's, read in the optimizer's step pre-hook.
+        """
         local, glob, who = values
         s = self._stats
         s["step"] = step
@@ -292,11 +345,21 @@ class Guard:
         s["out_of_range"]["label"] += int(local[Slot.OOR_LABEL])
         found = evaluate(glob, who, step=step, rank=self.rank, policy=self.policy,
                          real=self.cfg.real, rows=self.rows)
+        if self._localise:
+            found = self._localise_nonfinite(found, rerun_now=in_step)
         for v in found:
             self._record(v)
         fail = next((v for v in found if v.action == "fail"), None)
         if fail is not None:
             self._halted = fail.check
+        # Every rank reads the same all-reduced values, so every rank skips the same step.
+        skip = in_step and fail is None and any(v.action == "skip" for v in found)
+        if skip and closure:
+            log.error("guard: optimizer.step(closure) recomputes the gradients, so skip cannot "
+                      "drop step %d; it is applied", step)
+            skip = False
+        if skip:
+            s["skipped_steps"] += 1
         if emit:
             self._emit()
         if fail is not None:
@@ -305,8 +368,58 @@ class Guard:
             if raise_fail:
                 raise GuardViolation(message, check=fail.check, step=fail.step,
                                      rank=fail.rank, value=fail.value,
-                                     threshold=fail.threshold, action="fail")
+                                     threshold=fail.threshold, action="fail",
+                                     module=fail.module)
             log.error("%s", message)
+        return skip
+
+    def _localise_nonfinite(self, found: list[Violation], *, rerun_now: bool) -> list[Violation]:
+        """Name the first non-finite module in a nonfinite violation (guard/localise.py)."""
+        root = type(self.model).__name__
+        if self._armed is not None and self._armed.calls:
+            armed, self._armed = self._armed, None
+            self._report_armed(armed, root)
+        i = next((k for k, v in enumerate(found) if v.check == "nonfinite"), None)
+        if i is None:
+            self._localised = False  # a clean read: the next NaN is a new episode
+            return found
+        if self._localised:
+            return found
+        self._localised = True
+        v = found[i]
+        if rerun_now and self._inputs is not None:
+            finding = rerun(self.model, self._inputs)
+            if finding is None:
+                note = ("every module output was finite on a re-run of the last forward: the "
+                        "value arose outside the modules (the loss?) or in an earlier micro-batch")
+                found[i] = replace(v, message=f"{v.message} Localisation: {note}.")
+            else:
+                found[i] = replace(v, module=finding.module or root,
+                                   message=f"{v.message} Localisation: {finding.describe(root)}.")
+        elif v.action == "fail":
+            found[i] = replace(v, message=f"{v.message} Pass optimizer= to guard.attach to name "
+                               "the first non-finite module at the failing step.")
+        elif self._armed is None:
+            self._armed = Localiser(self.model, training_only=True)
+            self._armed.arm()
+            self._armed_step = v.step
+        return found
+
+    def _report_armed(self, loc: Localiser, root: str) -> None:
+        """Flags armed after an earlier violation saw a training forward: one event, no count."""
+        loc.disarm()
+        finding = loc.first()
+        where = f"nonfinite on rank {self.rank} at step {self._step}"
+        if finding is None:
+            message = (f"{where}: the non-finite value seen at step {self._armed_step} did not "
+                       "recur in the next training forward; not localised")
+        else:
+            message = (f"{where}: localised with per-module flags armed after step "
+                       f"{self._armed_step}: {finding.describe(root)}")
+        log.warning("%s", message)
+        self._events.append(Violation("nonfinite", self.policy.action("nonfinite"), self._step,
+                                      self.rank, 0.0, 0.0, message,
+                                      None if finding is None else finding.module or root))
 
     def _record(self, v: Violation) -> None:
         counts = self._violations.setdefault(v.check, Counter())
@@ -383,7 +496,7 @@ def attach(
 ) -> Guard:
     """Hook the embedding and lm_head of `model` and check every step (DESIGN.md)."""
     pol = coerce_policy(policy)
-    _reject_unbuilt(pol)
+    _check_skip(pol, optimizer)
     if isinstance(model, nn.Module) and model in _ATTACHED:
         raise AttachError(
             f"a guard is already attached to this model ({_ATTACHED[model]!r}); "
@@ -403,9 +516,6 @@ def attach(
         for sink in g.sinks:
             sink.close()
         raise
-    if pol.checks.loss_spike.action != "off":
-        log.warning("guard: checks.loss_spike is not implemented in this version; it is off "
-                    "(set checks.loss_spike.action: off to silence this)")
     g._install()
     log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
              str(aud).splitlines()[0])

@@ -67,8 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for add in SUBCOMMANDS:
         add(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("guard").setLevel(logging.INFO)  # e.g. the /metrics URL
     run: Command = args.run
     return run(args)
 

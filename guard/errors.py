@@ -3,12 +3,13 @@
     GuardError
      ├── PolicyError(ValueError)      a policy file or dict is invalid
      ├── AttachError                  the guard cannot attach to this model
+     ├── CheckpointError(ValueError)  `guard audit` cannot read a model directory
      └── GuardViolation(RuntimeError) a check with action `fail` fired
 """
 
 from __future__ import annotations
 
-__all__ = ["AttachError", "GuardError", "GuardViolation", "PolicyError"]
+__all__ = ["AttachError", "CheckpointError", "GuardError", "GuardViolation", "PolicyError"]
 
 
 class GuardError(Exception):
@@ -29,8 +30,20 @@ class AttachError(GuardError):
     """The guard cannot attach: discovery failed or the arguments disagree."""
 
 
+class CheckpointError(GuardError, ValueError):
+    """A model directory cannot be audited; `.path` names the file, `.expected` what it lacks."""
+
+    def __init__(self, path: str, expected: str) -> None:
+        self.path = path
+        self.expected = expected
+        super().__init__(f"{path}: {expected}")
+
+
 class GuardViolation(GuardError, RuntimeError):
-    """A check whose action is `fail` fired; every rank raises it at the same step."""
+    """A check whose action is `fail` fired; every rank raises it at the same step.
+
+    `.module` names the first module whose output went non-finite, when localised.
+    """
 
     def __init__(
         self,
@@ -42,6 +55,7 @@ class GuardViolation(GuardError, RuntimeError):
         value: float,
         threshold: float,
         action: str = "fail",
+        module: str | None = None,
     ) -> None:
         self.check = check
         self.step = step
@@ -49,6 +63,7 @@ class GuardViolation(GuardError, RuntimeError):
         self.value = value
         self.threshold = threshold
         self.action = action
+        self.module = module
         super().__init__(message)
 
     def __reduce__(self) -> tuple[object, ...]:

@@ -74,6 +74,8 @@ class Probe:
         self.on_loss: Callable[[torch.Tensor], None] | None = None
         self.on_forward_start: Callable[[], None] | None = None
         self.on_forward_end: Callable[[], None] | None = None
+        # Sees each training forward's (args, kwargs): the localiser keeps the last ones.
+        self.on_inputs: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None
 
     def install(self, model: nn.Module, embedding: nn.Module, head: nn.Module) -> None:
         self._label_pos = _labels_position(model)
@@ -104,6 +106,8 @@ class Probe:
             return
         if self.on_forward_start is not None:
             self.on_forward_start()
+        if self.on_inputs is not None:
+            self.on_inputs(args, kwargs)
         if not self.cfg.token_range:
             return
         labels = next((kwargs[k] for k in _LABEL_KWARGS if k in kwargs), None)

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from guard.errors import PolicyError
 
@@ -40,6 +47,10 @@ class PaddingMassCheck(_Strict):
 
 class NonfiniteCheck(_Strict):
     action: Literal["fail", "skip", "warn", "off"] = "fail"
+    # Name the first module whose output went non-finite (guard/localise.py): one no-grad
+    # re-run of the failing forward, or per-module flags armed for the next step. Costs
+    # nothing until nonfinite fires; off for models whose forward must not run twice.
+    localise: bool = True
 
 
 class TokenRangeCheck(_Strict):
@@ -49,9 +60,26 @@ class TokenRangeCheck(_Strict):
 
 
 class LossSpikeCheck(_Strict):
+    """Rule in guard/spike.py; defaults compared with Megatron / llm-foundry / Lightning in
+    docs/loss_spike.md."""
+
     action: Literal["fail", "skip", "warn", "off"] = "warn"
+    # Megatron-LM's spiky-loss factor: far above any noise, well below the seed's 2.1 -> 87.3.
     factor: float = Field(10.0, gt=1.0)
+    # llm-foundry's KillLossSpike window: the reference is the mean of this many boundaries.
     window: int = Field(100, ge=2)
+    # Accepted losses needed before the check can fire: the mean of fewer is one odd batch.
+    warmup: int = Field(10, ge=1)
+    # A rise smaller than this (loss units, nats per token) is noise even at a large ratio:
+    # fine-tuning at loss 0.05 sees batches at 0.6.
+    min_delta: float = Field(1.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> LossSpikeCheck:
+        if self.warmup > self.window:
+            raise ValueError(f"warmup ({self.warmup}) must be <= window ({self.window}): the "
+                             "history never holds more than window losses")
+        return self
 
 
 class Checks(_Strict):

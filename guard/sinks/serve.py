@@ -12,16 +12,21 @@ log = logging.getLogger("guard")
 
 
 class EmbeddedSink:
-    """Validates each report against the server's schema and stores it in the app's store."""
+    """Validates each report against the server's schema and stores it in the app's store.
 
-    def __init__(self, host: str, port: int) -> None:
+    Owns the server it starts from (host, port); given a running `server`, shares it (the
+    demo feeds several guards into one endpoint) and leaves it running at close.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, server: Any = None) -> None:
         # Imported here: the library needs fastapi only when it serves (DESIGN.md).
         from guard_server.embedded import EmbeddedServer
         from guard_server.schema import ReportBatch
 
         self._batch = ReportBatch
-        self.server = EmbeddedServer(host, port)
-        self.url = self.server.start()
+        self._owned = server is None
+        self.server = EmbeddedServer(host, port) if server is None else server
+        self.url: str = self.server.start()
         self.run_id = ""
         self.rank = 0
 
@@ -35,7 +40,8 @@ class EmbeddedSink:
         self.server.store.ingest(batch)
 
     def close(self, timeout: float = 5.0) -> None:
-        self.server.stop(timeout)
+        if self._owned:
+            self.server.stop(timeout)
 
 
 def start_embedded(host: str, port: int) -> EmbeddedSink | None:
