@@ -85,8 +85,9 @@ class Store:
                 state.latest = latest
             state.last_seen = now
             state.finished_at = now if state.latest.final else None
-            if state.events.maxlen:
-                for report in sorted(batch.reports, key=lambda r: r.step):
+            with_events = [r for r in batch.reports if r.events]
+            if with_events and state.events.maxlen:
+                for report in sorted(with_events, key=lambda r: r.step):
                     state.events.extend(report.events)
             self._reports_total += len(batch.reports)
 
