@@ -7,7 +7,8 @@ import subprocess
 from typing import Any
 
 import pytest
-from guard_server import ReportBatch, Settings, Store
+from fastapi.testclient import TestClient
+from guard_server import ReportBatch, Settings, Store, create_app
 from guard_server.collector import new_registry
 from guard_server.routes_metrics import encoder_for
 from prometheus_client.exposition import choose_encoder, generate_latest
@@ -95,9 +96,10 @@ def test_promtool_check_metrics_is_silent(store: Store) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (Debian package prometheus; bootstrap --dev)")
-    text = generate_latest(new_registry(store))
+    with TestClient(create_app(store.settings, store)) as client:
+        scrape = client.get("/metrics").content  # the bytes Prometheus would get
     out = subprocess.run(
-        [promtool, "check", "metrics"], input=text, capture_output=True, timeout=30
+        [promtool, "check", "metrics"], input=scrape, capture_output=True, timeout=30
     )
     assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
 
