@@ -10,7 +10,7 @@ import pytest
 import guard
 
 HOT = ["hooks.py", "checks.py"]
-HOST_READ = re.compile(r"\.(item|cpu|tolist|numpy)\(|\b(bool|float|int)\((?!["'])")
+HOST_READ = re.compile(r"\.(item|cpu|tolist|numpy)\(|\b(bool|float|int)\((?![\"'])")
 
 
 @pytest.mark.parametrize("name", HOT)
