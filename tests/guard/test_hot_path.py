@@ -10,7 +10,8 @@ import pytest
 import guard
 
 HOT = ["hooks.py", "checks.py"]
-HOST_READ = re.compile(r"\.(item|cpu|tolist|numpy)\(|\b(bool|float|int)\((?![\"'])")
+# .item() / .cpu() / .tolist() / .numpy(), and bool(t) / float(t) / int(t) on a value
+HOST_READ = re.compile(r"\.(item|cpu|tolist|numpy)\(|(?<![.\w])(bool|float|int)\((?![\"'])")
 
 
 @pytest.mark.parametrize("name", HOT)
