@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from guard.checks import nonfinite_count
 from guard.decide import Violation, evaluate, thresholds
-from guard.discovery import Heads, discover
+from guard.discovery import Heads, discover, unwrap_compiled
 from guard.errors import AttachError, GuardViolation
 from guard.flags import Flags, HostFlags, Slot
 from guard.hooks import Probe, ProbeConfig
@@ -28,7 +28,7 @@ from guard.sinks import Sink
 from guard.sinks.push import PushSink
 from guard.sinks.serve import start_embedded
 from guard.spike import SpikeTracker
-from guard.vocab import Audit, audit_sizes
+from guard.vocab import Audit, audit_sizes, shard_sizes
 
 __all__ = ["Guard", "attach", "audit"]
 
@@ -101,8 +101,10 @@ class Guard:
         policy: Policy,
         audit: Audit,
         optimizer: torch.optim.Optimizer | None,
+        vocab_shard: tuple[int, int] | None = None,
     ) -> None:
         self.model, self.heads, self.policy, self.audit = model, heads, policy, audit
+        self.vocab_shard = vocab_shard
         self.optimizer = optimizer
         self.rank, self.local_rank = _rank()
         self.run_id = policy.run_id or default_run_id()
@@ -120,6 +122,11 @@ class Guard:
             token_range=c.token_range.action != "off",
             ignore_index=c.token_range.ignore_index,
         )
+        if vocab_shard is not None:
+            # The head's columns are global ids [start, end): padding from id `real` on.
+            start, end = vocab_shard
+            self.cfg = replace(self.cfg, rows=end - start,
+                               head_real=min(max(audit.real - start, 0), end - start))
         device = next((p.device for p in heads.lm_head.parameters()), torch.device("cpu"))
         self.flags = Flags(device, thresholds(policy), self.rank)
         self.probe = Probe(self.cfg, self.flags)
@@ -193,9 +200,16 @@ class Guard:
                 raise TypeError(f"g.step(loss): expected a tensor, got {type(loss).__name__}")
             self._record_loss(loss)
         if self.optimizer is None:
-            self._explicit = True
-            self._forward_pending = False
+            self.manual_steps()
             self._boundary()
+
+    def manual_steps(self) -> None:
+        """Only `g.step()` marks step boundaries from now on, before its first call too: for
+        loops that call it at every optimizer step (the Lightning callback) and accumulate
+        gradients over several training forwards."""
+        self._explicit = True
+        self._forward_pending = False
+        self.probe.drop_forward_start()
 
     def detach(self) -> None:
         """Remove every hook, report the last values, close the sinks. Idempotent."""
@@ -244,7 +258,8 @@ class Guard:
 
     def _install(self) -> None:
         self.probe.on_loss = self._record_loss
-        self.probe.on_forward_start = self._forward_start
+        if self.optimizer is None and not self._explicit:
+            self.probe.on_forward_start = self._forward_start
         self.probe.on_forward_end = self._forward_end
         if self._localise and self.optimizer is not None:
             self.probe.on_inputs = self._keep_inputs
@@ -478,6 +493,7 @@ def audit(
     lm_head: nn.Module | None = None,
 ) -> Audit:
     """The three vocab sizes of `model`, tied or not, and alignment for TP 1/2/4/8."""
+    model = unwrap_compiled(model)  # type: ignore[assignment]
     heads = discover(model, embedding=embedding, lm_head=lm_head)
     real = _real_vocab(vocab_size, tokenizer, Policy(), heads.head_rows)
     return audit_sizes(real=real, rows=heads.head_rows, embedding_rows=heads.embedding_rows,
@@ -493,9 +509,15 @@ def attach(
     optimizer: torch.optim.Optimizer | None = None,
     embedding: nn.Module | None = None,
     lm_head: nn.Module | None = None,
+    vocab_shard: tuple[int, int] | None = None,
 ) -> Guard:
-    """Hook the embedding and lm_head of `model` and check every step (DESIGN.md)."""
+    """Hook the embedding and lm_head of `model` and check every step (DESIGN.md).
+
+    `vocab_shard=(start, end)`: the lm_head is this rank's shard of a vocab-parallel head, its
+    columns are the global token ids [start, end) (docs/integrations.md, tensor parallel).
+    """
     pol = coerce_policy(policy)
+    model = unwrap_compiled(model)  # type: ignore[assignment]
     _check_skip(pol, optimizer)
     if isinstance(model, nn.Module) and model in _ATTACHED:
         raise AttachError(
@@ -503,11 +525,21 @@ def attach(
             "call detach() on it first"
         )
     heads = discover(model, embedding=embedding, lm_head=lm_head)
-    real = _real_vocab(vocab_size, tokenizer, pol, heads.head_rows)
-    aud = audit_sizes(real=real, rows=heads.head_rows, embedding_rows=heads.embedding_rows,
+    rows, embedding_rows = heads.head_rows, heads.embedding_rows
+    if vocab_shard is not None:
+        tp = pol.vocab.tensor_parallel
+        try:
+            rows = shard_sizes(vocab_shard, heads.head_rows, tp)
+        except ValueError as e:
+            raise AttachError(str(e)) from None
+        if embedding_rows == heads.head_rows:  # a vocab-parallel embedding, sharded alike
+            embedding_rows = rows
+    real = _real_vocab(vocab_size, tokenizer, pol, rows)
+    aud = audit_sizes(real=real, rows=rows, embedding_rows=embedding_rows,
                       tied=heads.tied, pad_multiple=pol.vocab.pad_multiple,
                       tensor_parallel=pol.vocab.tensor_parallel)
-    g = Guard(model, heads, pol, aud, optimizer)
+    g = Guard(model, heads, pol, aud, optimizer,
+              None if vocab_shard is None else (vocab_shard[0], vocab_shard[1]))
     g._export()
     try:
         g._attach_checks()

@@ -16,6 +16,7 @@ __all__ = [
     "padding_mass",
     "padding_mass_parts",
     "sample_rows",
+    "sample_rows_at",
 ]
 
 # Elements per chunk of (positions, rows) work. On the CPU a fresh temporary of a few hundred
@@ -70,6 +71,20 @@ def sample_rows(flat: torch.Tensor, k: int, offset: int) -> torch.Tensor:
         return flat
     stride = n // k
     return flat[offset % stride :: stride][:k]
+
+
+def sample_rows_at(flat: torch.Tensor, k: int, offset: torch.Tensor) -> torch.Tensor:
+    """The rows `sample_rows` picks, with the offset a device tensor (a copy of at most k rows).
+
+    Under torch.compile a Python offset is a constant of the graph, so a new one every step
+    would recompile every step; a tensor offset is an input of one graph.
+    """
+    n = flat.shape[0]
+    if n <= k:
+        return flat
+    stride = n // k
+    idx = torch.arange(k, device=flat.device) * stride + offset.to(flat.device) % stride  # (k,)
+    return flat.index_select(0, idx)
 
 
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
 
 from guard.errors import AttachError
 
-__all__ = ["Heads", "discover"]
+__all__ = ["Heads", "discover", "unwrap_compiled"]
 
 # Names used by nanoGPT, HF, Llama-style and Megatron-style code for the output projection.
 _HEAD_NAMES = ("lm_head", "output", "head", "output_layer", "embed_out", "cls")
@@ -106,6 +107,32 @@ def _find_embedding(model: nn.Module, head: nn.Module) -> nn.Module:
         + (f"candidates {seen}" if seen else "the model has no nn.Embedding")
         + "; pass embedding=<the token embedding module>"
     )
+
+
+def unwrap_compiled(model: object) -> object:
+    """The original module of a torch.compile'd one: the guard hooks it, and the compiled
+    forward runs (and traces) those hooks. Anything else is returned as it is."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing compiled
+    if eval_frame is None:
+        return model
+    if isinstance(model, eval_frame.OptimizedModule):
+        orig = model._modules.get("_orig_mod", model.__dict__.get("_orig_mod"))
+        if not isinstance(orig, nn.Module):
+            raise AttachError(
+                "cannot reach the original module of this torch.compile'd model (its _orig_mod "
+                f"is {type(orig).__name__}); attach to the module itself, before or after "
+                "compiling it: g = guard.attach(model); model = torch.compile(model)")
+        return orig
+    orig_fn = getattr(model, "_torchdynamo_orig_callable", None)
+    if orig_fn is not None:
+        owner = getattr(orig_fn, "__self__", None)
+        what = (f"the compiled {type(owner).__name__}.{orig_fn.__name__}"
+                if isinstance(owner, nn.Module) else f"a compiled {type(orig_fn).__name__}")
+        raise AttachError(
+            f"attach needs the model module, got {what} (a torch.compile'd function, not a "
+            "module: the guard cannot reach the module it calls); attach to the module and "
+            "compile the module: g = guard.attach(model); model = torch.compile(model)")
+    return model
 
 
 def discover(

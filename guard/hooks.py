@@ -19,6 +19,7 @@ from guard.checks import (
     out_of_range_count,
     padding_mass_parts,
     sample_rows,
+    sample_rows_at,
 )
 from guard.flags import Flags, Slot
 
@@ -31,8 +32,8 @@ _LABEL_KWARGS = ("labels", "targets")
 class ProbeConfig:
     """What the hooks compute; derived from the policy once at attach."""
 
-    real: int  # real vocab, clipped to the head rows
-    rows: int
+    real: int  # real vocab (token ids), clipped to the vocab rows
+    rows: int  # columns of this process's head output (a shard's columns under vocab_shard)
     padding_mass: bool
     mask: bool
     sample_tokens: int
@@ -40,6 +41,13 @@ class ProbeConfig:
     nonfinite: bool
     token_range: bool
     ignore_index: int | None
+    # Head output columns [0, head_real) are real tokens: `real` for a whole head, fewer on
+    # the shard of a vocab-parallel head that holds the padding (attach's vocab_shard).
+    head_real: int | None = None
+
+    @property
+    def real_columns(self) -> int:
+        return min(self.real, self.rows) if self.head_real is None else self.head_real
 
 
 def find_loss(output: Any) -> torch.Tensor | None:
@@ -70,16 +78,39 @@ class Probe:
         self.cfg = cfg
         self.flags = flags
         self.handles: list[RemovableHandle] = []
-        self.step = 0  # host-side counter, only for the sampling offset
+        self._step = 0
+        # The sampling offset as a device tensor too, for compiled forwards (`_sample`).
+        self._offset = torch.zeros((), dtype=torch.int64)
         self.on_loss: Callable[[torch.Tensor], None] | None = None
+        # Host work at the start of a training forward (the forward-mode step boundary): set
+        # before install, or no hook is registered for it.
         self.on_forward_start: Callable[[], None] | None = None
+        self._start_handle: RemovableHandle | None = None
         self.on_forward_end: Callable[[], None] | None = None
         # Sees each training forward's (args, kwargs): the localiser keeps the last ones.
         self.on_inputs: Callable[[tuple[Any, ...], dict[str, Any]], None] | None = None
 
+    @property
+    def step(self) -> int:
+        """Host-side step counter, only for the sampling offset."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        self._offset.fill_(value)  # a device write at the step boundary, never a read
+
     def install(self, model: nn.Module, embedding: nn.Module, head: nn.Module) -> None:
         self._label_pos = _labels_position(model)
         c = self.cfg
+        if self.on_forward_start is not None:
+            # Host work (it may read the flags), so torch.compile must not trace it: disabled,
+            # it runs eagerly before the compiled frame of a compiled model; inlined into a
+            # larger compiled function it costs one graph break. Registered first: the
+            # boundary closes the previous step before this forward adds to the flags.
+            start = torch.compiler.disable(self._forward_start_pre)
+            self._start_handle = model.register_forward_pre_hook(start)
+            self.handles.append(self._start_handle)
         self.handles.append(model.register_forward_pre_hook(self._model_pre, with_kwargs=True))
         if c.token_range:
             self.handles.append(embedding.register_forward_pre_hook(self._embedding_pre))
@@ -94,6 +125,13 @@ class Probe:
             h.remove()
         self.handles.clear()
 
+    def drop_forward_start(self) -> None:
+        """Stop calling on_forward_start: the caller marks the step boundaries from now on."""
+        if self._start_handle is not None:
+            self._start_handle.remove()
+            self.handles.remove(self._start_handle)
+            self._start_handle = None
+
     # -- hooks -------------------------------------------------------------------------------
 
     def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -101,11 +139,13 @@ class Probe:
             with torch.no_grad():
                 self.flags.add(Slot.OOR_INPUT, out_of_range_count(args[0], self.cfg.real, None))
 
+    def _forward_start_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if module.training and self.on_forward_start is not None:
+            self.on_forward_start()
+
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not module.training:
             return
-        if self.on_forward_start is not None:
-            self.on_forward_start()
         if self.on_inputs is not None:
             self.on_inputs(args, kwargs)
         if not self.cfg.token_range:
@@ -134,25 +174,37 @@ class Probe:
                 self._measure(logits.detach())
         if c.mask:
             # In place, after measuring: the mass reported is the one the mask removed.
-            return masked_logits(logits, c.real)
+            return masked_logits(logits, c.real_columns)
         return None
+
+    def _sample(self, flat: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        if c.exact:
+            return flat
+        if torch.compiler.is_compiling():
+            # The step as a Python int would be a constant of the graph: a recompile per step.
+            if self._offset.device != flat.device:
+                self._offset = self._offset.to(flat.device)
+            return sample_rows_at(flat, c.sample_tokens, self._offset)  # the same rows
+        return sample_rows(flat, c.sample_tokens, self._step)
 
     def _measure(self, logits: torch.Tensor) -> None:
         c, f = self.cfg, self.flags
+        real = c.real_columns
         flat = logits.reshape(-1, c.rows)  # (tokens, rows); a view for contiguous logits
-        rows = flat if c.exact else sample_rows(flat, c.sample_tokens, self.step)
+        rows = self._sample(flat)
         step = chunk_rows(c.rows, flat.device)
-        measure_mass = c.padding_mass and c.real < c.rows
+        measure_mass = c.padding_mass and real < c.rows
         for i in range(0, rows.shape[0], step):
             chunk = rows[i : i + step]  # (n, rows)
             if measure_mass:
-                mass, real_rows = padding_mass_parts(chunk, c.real)  # (n,), (n,)
+                mass, real_rows = padding_mass_parts(chunk, real)  # (n,), (n,)
                 # A NaN mass means NaN on the padding columns: count it as all the mass.
                 mass = torch.nan_to_num(mass, nan=1.0)
                 f.add(Slot.PM_SUM, mass.sum())
                 f.max(Slot.PM_MAX, mass.max())
             else:
-                real_rows = chunk[:, : c.real].sum(dim=-1, dtype=torch.float32)
+                real_rows = chunk[:, :real].sum(dim=-1, dtype=torch.float32)
             if c.padding_mass:
                 f.add_const(Slot.PM_COUNT, chunk.shape[0])
             if c.nonfinite:
@@ -163,7 +215,7 @@ class Probe:
             # float16 logits can overflow at single (position, column) pairs the sample misses;
             # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
             # check and the sample (every position sees every weight) already catch.
-            total = flat[:, : c.real].sum(dtype=torch.float32)
+            total = flat[:, :real].sum(dtype=torch.float32)
             f.max(Slot.NF_LOGITS, torch.isfinite(total).logical_not())
 
     def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["TP_DEGREES", "Audit", "audit_sizes", "pad_vocab_size"]
+__all__ = ["TP_DEGREES", "Audit", "audit_sizes", "pad_vocab_size", "shard_sizes"]
 
 # Tensor-parallel degrees the audit reports on: the ones real clusters use for the vocab split.
 TP_DEGREES = (1, 2, 4, 8)
@@ -132,3 +132,29 @@ def audit_sizes(
         alignment_problems=tuple(alignment),
         vocab_problems=tuple(vocab),
     )
+
+
+def shard_sizes(shard: tuple[int, int], head_rows: int, tensor_parallel: int) -> int:
+    """Rows of the whole vocab for a head that holds columns [start, end) of it.
+
+    Vocab-parallel heads (Megatron's VocabParallelEmbedding / ColumnParallelLinear, DTensor
+    Shard(0)) split the rows in `tensor_parallel` equal shards; anything else is an error.
+    """
+    ok = (isinstance(shard, tuple | list) and len(shard) == 2
+          and all(isinstance(n, int) and not isinstance(n, bool) for n in shard)
+          and 0 <= shard[0] < shard[1])
+    if not ok:
+        raise ValueError(f"vocab_shard must be (start, end) with 0 <= start < end, got {shard!r}")
+    start, end = shard
+    width = end - start
+    problems = []
+    if width != head_rows:
+        problems.append(f"it spans {width} ids but the head has {head_rows} output columns")
+    elif start % width or end > width * tensor_parallel:
+        problems.append(f"it is not one of vocab.tensor_parallel={tensor_parallel} equal shards "
+                        f"of {width} columns")
+    if problems:
+        raise ValueError(f"vocab_shard=({start}, {end}): {problems[0]}; pass the global token "
+                         "ids [start, end) of this rank's head columns and set "
+                         "vocab.tensor_parallel to the tensor-parallel degree")
+    return width * tensor_parallel

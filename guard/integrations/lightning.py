@@ -1,0 +1,93 @@
+"""Lightning: a Callback that guards `Trainer.fit()`.
+
+The step boundary is Lightning's `on_before_optimizer_step`, not the optimizer's step
+pre-hook: with automatic optimization Lightning calls `optimizer.step(closure)` and the
+closure runs forward and backward inside it, after torch's pre-hooks, so a pre-hook would read
+the previous step's flags. `on_before_optimizer_step` runs after the closure and before the
+update, so `fail` raises `GuardViolation` with the weights untouched; it propagates out of
+`trainer.fit()` (Lightning calls `on_exception`, which detaches the guard, then re-raises) on
+every rank at the same step. `trainer.should_stop` would stop only after this step's update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from guard.discovery import discover
+from guard.hooks import find_loss
+from guard.integrations.common import GuardedTraining, torch_optimizer
+
+__all__ = ["GuardCallback", "guarded_module"]
+
+
+def guarded_module(pl_module: nn.Module, embedding: nn.Module | None = None,
+                   lm_head: nn.Module | None = None) -> nn.Module:
+    """The smallest submodule holding both the embedding and the lm_head: the model that
+    `training_step` calls, whose forward sees the labels and returns the loss."""
+    heads = discover(pl_module, embedding=embedding, lm_head=lm_head)
+    prefix: list[str] = []
+    for a, b in zip(heads.embedding_name.split(".")[:-1], heads.lm_head_name.split(".")[:-1],
+                    strict=False):
+        if a != b:
+            break
+        prefix.append(a)
+    return pl_module.get_submodule(".".join(prefix)) if prefix else pl_module
+
+
+class GuardCallback(GuardedTraining, pl.Callback):
+    """Attaches a guard at fit start (to `guarded_module(pl_module)`), marks a step at each
+    `on_before_optimizer_step` of the first optimizer, detaches at fit end or on an exception.
+
+    The loss is the model output's (HF `.loss`, nanoGPT's `(logits, loss)`); when the model
+    returns none, the loss Lightning backpropagates (divided by `accumulate_grad_batches` when
+    accumulating; the last micro-batch's). The real vocab comes from `tokenizer`,
+    `vocab_size`, the policy's `vocab.real_size`, or the datamodule's `tokenizer` attribute.
+    """
+
+    # Per fit, set in on_fit_start (the constructor is GuardedTraining's).
+    _hook: RemovableHandle | None = None
+    _optimizer: torch.optim.Optimizer | None = None
+    _loss: torch.Tensor | None = None
+    _model_loss = False  # the model's forward returned a loss this step
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        target = guarded_module(pl_module, self.embedding, self.lm_head)
+        tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
+        self._attach(target, processing_class=tokenizer).manual_steps()
+        self._hook = target.register_forward_hook(self._saw_loss)
+        self._optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
+
+    def _saw_loss(self, module: nn.Module, args: Any, output: Any) -> None:
+        if module.training and find_loss(output) is not None:
+            self._model_loss = True
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           loss: torch.Tensor) -> None:
+        self._loss = loss
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        if self.guard is None or torch_optimizer(optimizer) is not self._optimizer:
+            return  # one step per batch: the first optimizer's (GANs step several)
+        loss = None if self._model_loss else self._loss
+        self._loss, self._model_loss = None, False
+        self.guard.step(loss)  # raises GuardViolation on `fail`, before the update
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        super()._detach()
+        self._loss, self._model_loss = None, False

@@ -1,0 +1,73 @@
+"""Hugging Face transformers: a TrainerCallback that guards `Trainer.train()`, and a
+LogitsProcessor that keeps `generate()` off the padding ids.
+
+How `fail` stops the Trainer: the guard reads its flags in the optimizer's step pre-hook, so a
+`GuardViolation` is raised inside `optimizer.step()`, before the weights change, and propagates
+out of `trainer.train()` with the guard's message (on every rank at the same step). Setting
+`control.should_training_stop` instead would let the update with the bad gradients happen
+first, and `train()` would return as if training had succeeded, so the script would go on to
+save or push the model with exit status 0; `fail` means stop the job.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LogitsProcessor, TrainerCallback
+
+from guard.checks import mask_padding_
+from guard.errors import AttachError
+from guard.integrations.common import GuardedTraining
+
+__all__ = ["GuardCallback", "PaddingMaskLogitsProcessor"]
+
+log = logging.getLogger("guard")
+
+
+class GuardCallback(GuardedTraining, TrainerCallback):
+    """Attaches a guard at train begin and detaches it at train end.
+
+    The model, the optimizer (its step pre-hook is the step boundary) and, unless `tokenizer`,
+    `vocab_size` or the policy's `vocab.real_size` is given, the real vocab (the Trainer's
+    `processing_class`) come from the Trainer. The loss is the model output's `.loss`, which
+    the guard's model hook picks up; a Trainer that computes the loss outside the model
+    (`compute_loss_func`, label smoothing) trains guarded but reports no loss.
+    """
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       processing_class: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        if model is None:
+            raise AttachError("GuardCallback: the Trainer passed no model to on_train_begin")
+        if optimizer is None:
+            raise AttachError("GuardCallback: the Trainer passed no optimizer to on_train_begin; "
+                              "attach with guard.attach(model, optimizer=...) instead")
+        self._attach(model, optimizer=optimizer, processing_class=processing_class)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._detach()
+
+
+class PaddingMaskLogitsProcessor(LogitsProcessor):
+    """Sets the scores of ids >= `vocab_real` to -inf: `generate()` only emits ids the
+    tokenizer has, whatever the padding rows of the head hold.
+
+    Needed where no guard with `padding_mass.action: mask` is attached (that one already masks
+    the head's output, in eval too): `model.generate(ids, logits_processor=
+    LogitsProcessorList([PaddingMaskLogitsProcessor(len(tokenizer))]))`.
+    """
+
+    supports_continuous_batching = True
+
+    def __init__(self, vocab_real: int) -> None:
+        if isinstance(vocab_real, bool) or not isinstance(vocab_real, int) or vocab_real < 1:
+            raise ValueError(f"vocab_real must be a positive int (len(tokenizer)), "
+                             f"got {vocab_real!r}")
+        self.vocab_real = vocab_real
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        # (batch, rows); a copy, as other processors return: the caller's scores stay as given.
+        return mask_padding_(scores.clone(), self.vocab_real)

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from guard import GuardViolation  # noqa: E402
+from guard.integrations.lightning import GuardCallback, guarded_module  # noqa: E402
+from tests.conftest import batch, policy, tiny_gpt  # noqa: E402
+
+# pytest turns warnings into errors; these two come from Lightning itself, not the guard:
+# a DataLoader without worker processes may be a bottleneck (true for real data, irrelevant
+# for these in-memory tensors), and Lightning 2.6 builds torch's LeafSpec, which torch 2.13
+# deprecates.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:The '(train|val)_dataloader' does not have many workers"),
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"
+                               ":FutureWarning"),
+]
+
+
+class LM(pl.LightningModule):
+    """A LightningModule around the nanoGPT test model; `outside_loss`: the model returns
+    logits only and training_step computes the loss."""
+
+    def __init__(self, garbage: float | None = None, outside_loss: bool = False) -> None:
+        super().__init__()
+        self.model = tiny_gpt(garbage=garbage)
+        self.outside_loss = outside_loss
+        self.losses: list[float] = []
+
+    def training_step(self, b: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+        x, y = b
+        if self.outside_loss:
+            logits, _ = self.model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        else:
+            _, loss = self.model(x, y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def loader(n: int = 8, ghost_at: int | None = None) -> DataLoader[Any]:
+    xs, ys = zip(*(batch(seed=i, b=1) for i in range(n)), strict=True)
+    x, y = torch.cat(xs), torch.cat(ys)
+    if ghost_at is not None:
+        y[ghost_at, 0] = 120  # a padding id: the tokenizer's vocab is 100
+    return DataLoader(TensorDataset(x, y), batch_size=2)
+
+
+def fit(module: pl.LightningModule, cb: GuardCallback, steps: int, data: DataLoader[Any],
+        **kw: Any) -> pl.Trainer:
+    t = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=[cb], **kw)
+    t.fit(module, data)
+    return t
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_fit_is_guarded_per_optimizer_step_and_detached() -> None:
+    lm = LM(garbage=0.5)
+    assert guarded_module(lm) is lm.model
+    cb = GuardCallback(policy=policy(), vocab_size=100)
+    fit(lm, cb, 3, loader())
+    s = cb.guard.stats if cb.guard else {}
+    assert s["step"] == 3 and s["loss"] == pytest.approx(lm.losses[-1])
+    assert s["violations"] == {"padding_mass": {"mask": 3}} and s["padding_mass"] > 0.05
+    assert hook_count(lm) == 0
+
+
+def test_gradient_accumulation_counts_optimizer_steps() -> None:
+    lm = LM()
+    cb = GuardCallback(policy=policy(), vocab_size=100)
+    fit(lm, cb, 2, loader(), accumulate_grad_batches=2)
+    assert len(lm.losses) == 4 and cb.guard is not None and cb.guard.stats["step"] == 2
+
+
+def test_loss_computed_in_training_step_is_reported() -> None:
+    lm = LM(outside_loss=True)
+    cb = GuardCallback(policy=policy(), vocab_size=100)
+    fit(lm, cb, 2, loader())
+    assert cb.guard is not None and cb.guard.stats["loss"] == pytest.approx(lm.losses[-1])
+
+
+def test_fail_stops_fit_before_the_update_with_the_guards_message() -> None:
+    lm = LM()
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    cb = GuardCallback(policy=policy(), vocab_size=100)
+    with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 1: 1 label ids "
+                       r"outside \[0, 100\)") as e:
+        fit(lm, cb, 3, loader(ghost_at=1))
+    assert (e.value.check, e.value.step) == ("token_range", 1)
+    assert all(torch.equal(before[k], v) for k, v in lm.state_dict().items())
+    assert hook_count(lm) == 0  # on_exception detached it

@@ -1,0 +1,178 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")  # Trainer needs it (the hf extra installs it)
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+)
+
+import guard
+from guard import AttachError, GuardViolation
+from guard.integrations.transformers import GuardCallback, PaddingMaskLogitsProcessor
+from tests.conftest import policy
+
+SENTENCES = [
+    "the guard reads the flags once per step",
+    "padding columns get no probability under the mask",
+    "a ghost token is an id the tokenizer cannot produce",
+    "every rank takes the same decision at the same step",
+]
+SEQ = 8
+
+
+def word_tokenizer(extra: int = 0) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer trained here on SENTENCES, with `extra` added tokens."""
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[UNK]",
+                                                                                 "[PAD]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    if extra:
+        fast.add_tokens([f"extra{i}" for i in range(extra)])
+    return fast
+
+
+def gpt2(real: int, *, garbage: float | None = None) -> GPT2LMHeadModel:
+    """A 1-layer GPT-2 whose vocab rows are `real` padded up to a multiple of 64."""
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=real, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                     bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    m = GPT2LMHeadModel(cfg)
+    m.resize_token_embeddings(real, pad_to_multiple_of=64, mean_resizing=False)
+    if garbage is not None:  # tied: what an uninitialised resize can leave in padding rows
+        w = m.get_output_embeddings().weight
+        with torch.no_grad():
+            w[real:] = torch.randn(w.shape[0] - real, w.shape[1]) * garbage
+    return m
+
+
+def examples(tok: PreTrainedTokenizerFast, *, ghost: int | None = None) -> list[dict[str, Any]]:
+    out = []
+    for s in SENTENCES * 4:
+        ids = tok(s)["input_ids"][:SEQ]
+        ids = ids + [tok.pad_token_id] * (SEQ - len(ids))
+        labels = list(ids) if ghost is None else [*ids[:-1], ghost]
+        out.append({"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)})
+    return out
+
+
+def trainer(model: nn.Module, tok: Any, data: list[dict[str, Any]], cb: GuardCallback,
+            out: Path, steps: int = 3) -> Trainer:
+    args = TrainingArguments(output_dir=str(out), report_to=[], use_cpu=True, max_steps=steps,
+                             per_device_train_batch_size=4, save_strategy="no", logging_steps=1,
+                             learning_rate=1e-3, disable_tqdm=True, seed=0)
+    return Trainer(model=model, args=args, train_dataset=data, processing_class=tok,
+                   callbacks=[cb])
+
+
+def hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_trainer_is_guarded_step_by_step_and_detached_at_the_end(tmp_path: Path) -> None:
+    tok = word_tokenizer()
+    real = len(tok)
+    model = gpt2(real, garbage=1.0)
+    cb = GuardCallback(policy=policy(padding_mass={"action": "mask"}))
+    trainer(model, tok, examples(tok), cb, tmp_path).train()
+    g = cb.guard
+    assert g is not None and (g.real, g.rows) == (real, 64)  # the real vocab: the tokenizer's
+    s = g.stats
+    assert s["step"] == 3  # optimizer steps: the step pre-hook is the boundary
+    assert isinstance(s["loss"], float) and s["loss"] > 0  # the model output's .loss
+    assert s["padding_mass"] is not None and s["padding_mass"] > 0.01
+    assert s["violations"] == {"padding_mass": {"mask": 3}}
+    assert hook_count(model) == 0 and not g.optimizer._optimizer_step_pre_hooks
+
+
+def test_fail_stops_train_before_the_update_with_the_guards_message(tmp_path: Path) -> None:
+    tok = word_tokenizer()
+    real = len(tok)
+    model = gpt2(real)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = GuardCallback(policy=policy())
+    t = trainer(model, tok, examples(tok, ghost=real + 3), cb, tmp_path)
+    with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 1: 4 label ids "
+                       rf"outside \[0, {real}\)") as e:
+        t.train()
+    assert (e.value.check, e.value.step) == ("token_range", 1)
+    assert t.state.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # The next train() of the same callback starts from a fresh guard.
+    t.train_dataset = examples(tok)
+    t.train()
+    assert cb.guard is not None and cb.guard.stats["step"] == 3
+
+
+def test_tokenizer_larger_than_the_rows_stops_before_step_one(tmp_path: Path) -> None:
+    tok = word_tokenizer(extra=50)  # more ids than the 64 rows
+    model = gpt2(len(tok) - 50)
+    t = trainer(model, tok, examples(tok), GuardCallback(policy=policy()), tmp_path)
+    with pytest.raises(GuardViolation, match=rf"real vocab {len(tok)} > head rows 64"):
+        t.train()
+    assert hook_count(model) == 0
+
+
+class NoHead(nn.Module):
+    """Logits from the embedding matrix by hand: no module produces them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.emb(input_ids) @ self.emb.weight.T
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_model_without_a_head_is_an_attach_error_naming_lm_head(tmp_path: Path) -> None:
+    tok = word_tokenizer()
+    t = trainer(NoHead(), tok, examples(tok), GuardCallback(policy=policy()), tmp_path)
+    with pytest.raises(AttachError, match=r"cannot find the output head.*pass lm_head="):
+        t.train()
+
+
+# -- generate() ------------------------------------------------------------------------------
+
+
+def generated(model: nn.Module, prompt: torch.Tensor, **kw: Any) -> torch.Tensor:
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=1, **kw)
+    return out[:, prompt.shape[1]:]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_never_emits_padding_ids(use_cache: bool) -> None:
+    tok = word_tokenizer()
+    real = len(tok)
+    model = gpt2(real, garbage=3.0).eval()
+    prompt = torch.tensor(tok(SENTENCES[:2])["input_ids"])[:, :4]
+    assert (generated(model, prompt, use_cache=use_cache) >= real).any()  # unguarded: ghosts
+    with guard.attach(model, policy=policy(), tokenizer=tok):  # mask is the default action
+        assert (generated(model, prompt, use_cache=use_cache) < real).all()
+        logits = model(prompt, logits_to_keep=1).logits  # (B, 1, rows)
+        assert logits.shape == (2, 1, 64) and torch.isneginf(logits[..., real:]).all()
+    processors = LogitsProcessorList([PaddingMaskLogitsProcessor(real)])
+    assert (generated(model, prompt, use_cache=use_cache, logits_processor=processors)
+            < real).all()
+
+
+def test_logits_processor_leaves_the_scores_it_is_given() -> None:
+    scores = torch.randn(2, 64)
+    given = scores.clone()
+    out = PaddingMaskLogitsProcessor(40)(torch.zeros(2, 3, dtype=torch.long), scores)
+    assert torch.equal(scores, given) and torch.equal(out[:, :40], given[:, :40])
+    assert torch.isneginf(out[:, 40:]).all()
+    with pytest.raises(ValueError, match="positive int"):
+        PaddingMaskLogitsProcessor(0)
