@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
 from guard_server.testing import free_port
 
 HEADING = "## Ingest (bench/ingest.py)"
@@ -212,14 +213,20 @@ def machine() -> str:
 
 
 def render(
-    results: list[Result], scrape: dict[str, float], ranks: int, command: str, load: float
+    results: list[Result],
+    scrape: dict[str, float],
+    ranks: int,
+    command: str,
+    load: tuple[float, float],
 ) -> str:
     """The markdown section for docs/benchmarks.md."""
     lines = [
         HEADING,
         "",
         f"Command: `{command}` ({time.strftime('%Y-%m-%d')})  ",
-        f"Machine: {machine()}; 1-minute load average {load:.2f} before the run  ",
+        f"Machine: {machine()}  ",
+        f"1-minute load average {load[0]:.2f} before the run, {load[1]:.2f} after (other work "
+        "on the machine lowers every figure)  ",
         "Server: `python -m guard_server` in its own process, one uvicorn worker (h11); "
         "clients: asyncio tasks in the benchmark process, one httpx client (one keep-alive "
         "connection) per rank; both share the machine's cores. Targets: >= 20,000 step "
@@ -274,7 +281,7 @@ def main() -> None:
         Scenario("saturate, one report a request", ranks=16, batch=1, interval_s=None),
         Scenario("paced, 256 ranks", ranks=256, batch=10, interval_s=1.0),
     ]
-    load = os.getloadavg()[0]  # other work on the machine skews every figure below
+    load_before = os.getloadavg()[0]
     results = []
     for scenario in scenarios:
         with server() as url:
@@ -283,6 +290,7 @@ def main() -> None:
     with server() as url:
         scrape = scrape_times(url, args.scrape_ranks, args.scrape_repeats)
     command = shlex.join([".venv/bin/python", "bench/ingest.py", *sys.argv[1:]])
+    load = (load_before, os.getloadavg()[0])
     section = render(results, scrape, args.scrape_ranks, command, load)
     print(section)
     if args.write:
