@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
 from guard_server import EmbeddedServer, Settings, create_app
 from guard_server.testing import prometheus_binary, run_prometheus
 

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from guard_server import ReportBatch, Settings, Store, create_app
 from guard_server.collector import new_registry
 from guard_server.routes_metrics import encoder_for
-from prometheus_client.exposition import choose_encoder, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 # DESIGN.md, "Metric names": name -> (type, extra labels). Counters are keyed by the exposed
 # name; prometheus_client's parser reports them without the _total suffix.

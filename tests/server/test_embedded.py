@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from guard_server import EmbeddedServer, PortInUseError, ReportBatch, Settings
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import schemathesis
-from guard_server import Settings, create_app
 from hypothesis import HealthCheck, settings
+
+from guard_server import Settings, create_app
 
 # Caps far above what ~100 examples can reach, so a valid batch is never a 429.
 APP = create_app(Settings(max_runs=100_000, max_ranks_per_run=100_000))

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+
 from guard_server import EmbeddedServer, Settings
 from guard_server.testing import free_port
-
 from tests.server.helpers import split_ingest_counters
 
 LIMIT = 64 * 1024

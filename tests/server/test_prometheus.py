@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from guard_server import EmbeddedServer
 
 

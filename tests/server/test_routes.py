@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from guard_server import Settings, Store, create_app
 
+from guard_server import Settings, Store, create_app
 from tests.server.helpers import split_ingest_counters
 
 TOKEN = "t0ken"

@@ -7,8 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from guard_server.schema import ReportBatch
 from pydantic import ValidationError
+
+from guard_server.schema import ReportBatch
 
 
 def test_the_documented_example_validates(wire_example: dict[str, Any]) -> None:

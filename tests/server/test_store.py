@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 import pytest
+
 from guard_server import CapacityError, ReportBatch, Settings, Store
 
 
