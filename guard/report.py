@@ -46,8 +46,15 @@ def build_report(
     vocab: dict[str, int],
     dropped_reports: int = 0,
     final: bool = False,
+    zeros: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One step report; floats are finite or null (non-finite values are counted instead)."""
+    """One step report; floats are finite or null (non-finite values are counted instead).
+
+    `zeros` (check -> action) adds a 0 count for each enabled check that has not fired yet.
+    """
+    violations = {c: {a: 0} for c, a in (zeros or {}).items()}
+    for check, actions in stats["violations"].items():
+        violations.setdefault(check, {}).update(actions)
     return {
         "step": stats["step"],
         "timestamp": time.time(),
@@ -56,7 +63,7 @@ def build_report(
         "padding_mass_max": _ratio(stats["padding_mass_max"]),
         "nonfinite": dict(stats["nonfinite"]),
         "out_of_range": dict(stats["out_of_range"]),
-        "violations": {c: dict(a) for c, a in stats["violations"].items()},
+        "violations": violations,
         "skipped_steps": stats["skipped_steps"],
         "halted": halted,
         "vocab": dict(vocab),

@@ -56,8 +56,8 @@ def start_embedded(host: str, port: int) -> EmbeddedSink | None:
         log.warning("guard: cannot serve /metrics on %s:%d (%s); continuing without it. Set "
                     "export.serve to another host:port, or null.", host, port, e)
         return None
-    except RuntimeError as e:
-        log.warning("guard: %s", e)
+    except (RuntimeError, ValueError) as e:  # did not start in time; a bad GUARD_SERVER_* value
+        log.warning("guard: no /metrics endpoint: %s; continuing without it", e)
         return None
     log.info("guard: metrics at %s/metrics", sink.url)
     return sink
