@@ -116,7 +116,7 @@ def evaluate(
         r, where = _where(who[Slot.SPIKE], rank)
         out.append(Violation("loss_spike", ls.action, step, r, glob[Slot.SPIKE_RATIO], ls.factor,
             f"loss_spike on {where} at step {step}: loss {_fmt(glob[Slot.LOSS])} is "
-            f"{_fmt(glob[Slot.SPIKE_RATIO])}x its recent reference, expected <= {ls.factor:g}x; "
-            f"{_NEXT[ls.action]}. Look for unmasked padding columns, a bad batch or a too "
-            "high learning rate."))
+            f"{_fmt(glob[Slot.SPIKE_RATIO])}x the median of its last {ls.window} losses, expected "
+            f"<= {ls.factor:g}x (or a rise <= {ls.min_delta:g}); {_NEXT[ls.action]}. Look for "
+            "unmasked padding columns, a bad batch or a too high learning rate."))
     return out

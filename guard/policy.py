@@ -66,9 +66,9 @@ class LossSpikeCheck(_Strict):
     action: Literal["fail", "skip", "warn", "off"] = "warn"
     # Megatron-LM's spiky-loss factor: far above any noise, well below the seed's 2.1 -> 87.3.
     factor: float = Field(10.0, gt=1.0)
-    # llm-foundry's KillLossSpike window: the reference is the mean of this many boundaries.
+    # llm-foundry's KillLossSpike window: the reference is the median of this many losses.
     window: int = Field(100, ge=2)
-    # Accepted losses needed before the check can fire: the mean of fewer is one odd batch.
+    # Finite losses needed before the check can fire: a median of fewer is one odd batch.
     warmup: int = Field(10, ge=1)
     # A rise smaller than this (loss units, nats per token) is noise even at a large ratio:
     # fine-tuning at loss 0.05 sees batches at 0.6.

@@ -37,6 +37,8 @@ def curves() -> dict[str, list[float]]:
         "noise": [noisy(2.5, 0.25) * (2.5 if i % 53 == 0 else 1) for i in range(1000)],
         "drift": [noisy(2 + 6 * i / 2000, 0.1) for i in range(2000)],
         "finetune": [noisy(0.05, 0.8) for _ in range(1000)],
+        "moderate": [noisy(2.1, 0.05) for _ in range(300)] + [4, 8, 6, 3]
+        + [noisy(2.1, 0.05) for _ in range(50)],
         "late_spike": [noisy(2.1, 0.05) for _ in range(500)] + [10, 40, 20]
         + [noisy(2.1, 0.05) for _ in range(50)],
     }
@@ -92,6 +94,13 @@ def test_first_steps_without_history_do_not_fire() -> None:
 
 def test_late_spike_fires_once_per_bad_step() -> None:
     assert fired(curves()["late_spike"]) == [501]  # 10 is 4.8x: below the factor; 40 is 19x
+
+
+def test_factor_is_the_sensitivity_knob() -> None:
+    c = curves()
+    assert fired(c["moderate"]) == []  # a 4x bump is not a spike at the default 10x ...
+    assert fired(c["moderate"], factor=3.0) == [301]  # ... it is at 3x,
+    assert fired(c["noise"], factor=3.0) != []  # where heavy-tailed noise fires too
 
 
 def test_nonfinite_losses_are_not_spikes_nor_history() -> None:
