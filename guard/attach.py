@@ -282,7 +282,8 @@ class Guard:
 
     def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # Before the update, so `fail` leaves the weights untouched and `skip` can drop it.
-        closure = args[0] if args else kwargs.get("closure")
+        # The hook sees step's own args: (optimizer, closure?) and kwargs.
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if self._boundary(in_step=True, closure=closure is not None):
             # skip: every torch optimizer passes over a parameter whose .grad is None, so
             # neither the weight (decoupled weight decay included) nor its state (Adam moments
