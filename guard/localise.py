@@ -12,7 +12,7 @@ Per-module flags are armed only on demand, in one of two ways (guard/attach.py p
   are read at the next read; a NaN that does not recur is reported as not localised.
 
 Keeping the hooks on for every step would find a transient NaN too, but costs a read of
-every activation of every step (docs/loss_spike.md has the measurement). Hooks fire when a
+every activation of every step (docs/nonfinite.md has the measurement). Hooks fire when a
 module finishes, so the first flagged call is the innermost module that produced it.
 """
 
@@ -37,9 +37,14 @@ _MAX_DEPTH = 4
 
 
 def any_nonfinite(obj: Any, depth: int = 0) -> torch.Tensor | None:
-    """0-dim bool: some floating tensor inside `obj` holds a NaN / Inf; None if it has none."""
+    """0-dim bool: a floating tensor inside `obj` holds a NaN or +Inf; None if it has none.
+
+    -Inf is how masks are written (the padding columns under `mask`, additive attention
+    masks), so it does not count.
+    """
     if isinstance(obj, torch.Tensor):
-        return torch.isfinite(obj).all().logical_not() if obj.is_floating_point() else None
+        # x < inf is False exactly for NaN and +Inf: one comparison and one reduction.
+        return (obj < float("inf")).all().logical_not() if obj.is_floating_point() else None
     if depth >= _MAX_DEPTH:
         return None
     items = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, tuple | list) \
