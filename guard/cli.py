@@ -55,8 +55,48 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# Each entry adds one subcommand; the audit issue adds `audit`.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_demo, _serve]  # type: ignore[type-arg]
+def _audit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("audit", help="audit the vocab sizes of a Hugging Face model directory",
+                       description="Read config.json, the tokenizer files and the safetensors "
+                       "headers (no weights loaded) and check the three vocab sizes, tying and "
+                       "alignment. Exit status: 0 clean, 1 violations, 2 unreadable input.")
+    p.add_argument("path", help="model directory (as written by save_pretrained)")
+    p.add_argument("--json", action="store_true", help="print the audit as JSON")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="tensor-parallel degree the rows must divide into (default 1)")
+    p.add_argument("--pad-multiple", type=int, default=64, metavar="M",
+                   help="alignment per tensor-parallel shard (default 64)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="real vocab size, instead of reading it from the tokenizer files")
+    p.set_defaults(run=_run_audit)
+
+
+def _run_audit(args: argparse.Namespace) -> int:
+    import json
+
+    from guard.checkpoint import audit_checkpoint
+    from guard.errors import CheckpointError
+
+    for flag, n in (("--tensor-parallel", args.tensor_parallel),
+                    ("--pad-multiple", args.pad_multiple), ("--vocab-size", args.vocab_size)):
+        if n is not None and n < 1:
+            print(f"guard audit: {flag} must be a positive integer, got {n}", file=sys.stderr)
+            return 2
+    try:
+        result = audit_checkpoint(args.path, tensor_parallel=args.tensor_parallel,
+                                  pad_multiple=args.pad_multiple, vocab_size=args.vocab_size)
+    except CheckpointError as e:
+        if args.json:
+            print(json.dumps({"path": args.path, "ok": False,
+                              "error": {"file": e.path, "expected": e.expected}}))
+        print(f"guard audit: cannot read {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    return 0 if result.ok else 1
+
+
+# Each entry adds one subcommand.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_demo, _serve, _audit]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
