@@ -34,6 +34,13 @@ def events(sink: MemorySink) -> list[dict[str, Any]]:
     return [e for r in sink.reports for e in r["events"]]
 
 
+def clean_server_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's Settings read GUARD_SERVER_* and GUARD_TOKEN: a developer's must not count."""
+    for name in list(os.environ):
+        if name.upper().startswith("GUARD_SERVER_") or name.upper() == "GUARD_TOKEN":
+            monkeypatch.delenv(name)
+
+
 def test_any_nonfinite_counts_nan_and_plus_inf_not_masks() -> None:
     x = torch.zeros(3)
     assert not bool(any_nonfinite(x))
@@ -125,9 +132,7 @@ def test_warn_event_carries_the_module_to_the_server(monkeypatch: pytest.MonkeyP
     assert [e["module"] for e in nf] == ["blocks.1.mlp.0", None, None]
     assert "Localisation:" in nf[0]["message"] and "Localisation:" not in nf[1]["message"]
 
-    for name in list(os.environ):
-        if name.upper().startswith("GUARD_SERVER_") or name.upper() == "GUARD_TOKEN":
-            monkeypatch.delenv(name)
+    clean_server_env(monkeypatch)
     with TestClient(create_app(Settings())) as client:
         assert client.post("/v1/reports", json=sink.batch()).status_code == 202
         state = client.get("/v1/runs/localise-1").json()

@@ -15,6 +15,7 @@ from guard import AttachError
 from guard.flags import NSLOTS, Slot
 from guard.sinks import MemorySink
 from tests.conftest import batch, policy, tiny_gpt
+from tests.guard.test_localise import clean_server_env
 
 # vocab_size=128 = the rows of tiny_gpt: no padding columns, so only the checks under test fire.
 
@@ -94,7 +95,7 @@ def test_nonfinite_skip_leaves_weights_and_optimizer_state_unchanged(make_opt: O
         assert g.stats["skipped_steps"] == 1 and g.stats["step"] == 4
 
 
-def test_loss_spike_skip_drops_the_spiking_step() -> None:
+def test_loss_spike_skip_drops_the_spiking_step(monkeypatch: pytest.MonkeyPatch) -> None:
     m = tiny_gpt()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     sink = MemorySink()
@@ -118,6 +119,23 @@ def test_loss_spike_skip_drops_the_spiking_step() -> None:
     last = sink.reports[-1]
     assert last["skipped_steps"] == 1 and last["violations"]["loss_spike"] == {"skip": 1}
     assert [e["action"] for r in sink.reports for e in r["events"]] == ["skip"]
+    clean_server_env(monkeypatch)
+    assert scrape(sink, "guard_skipped_steps_total") == 1.0
+
+
+def scrape(sink: MemorySink, metric: str) -> float | None:
+    """The value of `metric` on the guard server's /metrics after it ingests the sink."""
+    pytest.importorskip("guard_server")
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from guard_server import Settings, create_app
+
+    with TestClient(create_app(Settings())) as client:
+        assert client.post("/v1/reports", json=sink.batch()).status_code == 202
+        text = client.get("/metrics").text
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == metric), None)
 
 
 def test_grad_scaler_step_and_update_with_the_guard_skipping() -> None:
