@@ -148,6 +148,11 @@ def masked_logits(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
     if vocab_real == rows:
         return logits
     if logits.requires_grad and torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
+            # Traced, the functional form: the compiler owns the buffers (and fuses the fill),
+            # and dynamo would instantiate _MaskPadding to trace it (deprecated in torch 2.13).
+            pad = torch.arange(rows, device=logits.device) >= vocab_real  # (rows,)
+            return logits.masked_fill(pad, float("-inf"))
         out: torch.Tensor = _MaskPadding.apply(logits, vocab_real)
         return out
     return mask_padding_(logits, vocab_real)

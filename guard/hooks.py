@@ -3,6 +3,7 @@ the device and accumulate into the flags. Nothing here reads a tensor to the hos
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +72,23 @@ def _labels_position(model: nn.Module) -> int | None:
     return next((i for i, name in enumerate(params) if name in _LABEL_KWARGS), None)
 
 
+@functools.cache
+def _model_hooks_eager_at_top_level() -> None:
+    """torch.compile(model) runs the model's hooks as frames of their own (dynamo skips
+    nn.Module._call_impl): these two then run eagerly, as in an uncompiled model (tiny ops
+    and host bookkeeping: not worth a frame, and dynamo warns building a frame whose inputs are
+    the model's non-leaf outputs). Inlined into a larger compiled function they are traced as
+    usual, so that one stays a single graph (fullgraph=True works)."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # another torch: the hooks stay frames of their own
+        return
+    skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # this frame and its callees
+    for hook in (Probe._model_pre, Probe._model_post):
+        set_code_exec_strategy(hook.__code__, skip)
+
+
 class Probe:
     """Owns the hook handles; each hook adds device-side reductions to `flags`."""
 
@@ -103,6 +121,7 @@ class Probe:
     def install(self, model: nn.Module, embedding: nn.Module, head: nn.Module) -> None:
         self._label_pos = _labels_position(model)
         c = self.cfg
+        _model_hooks_eager_at_top_level()
         if self.on_forward_start is not None:
             # Host work (it may read the flags), so torch.compile must not trace it: disabled,
             # it runs eagerly before the compiled frame of a compiled model; inlined into a

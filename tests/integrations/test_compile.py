@@ -1,0 +1,206 @@
+"""torch.compile: the guard measures and masks as in eager mode and adds no graph break.
+
+The graph-break tests use the "eager" backend (dynamo's tracing without code generation: the
+breaks are dynamo's, whatever the backend); one test runs inductor end to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+import guard
+from guard import AttachError
+from tests.conftest import batch, policy, tiny_gpt
+
+# Batch shapes that change, so dynamo recompiles once for dynamic shapes: the guard must not
+# add recompiles of its own on top (a new sampling offset each step did, up to the limit).
+SHAPES = [(4, 16), (2, 16), (3, 8), (4, 16)]
+SAMPLED = policy(padding_mass={"action": "mask", "sample_tokens": 8})
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def quiet_guard(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="guard")  # a mask warning per step is expected
+
+
+def run(model: nn.Module, *, compiled: bool, mode: str | None, pol: dict[str, Any] = SAMPLED,
+        backend: str = "eager", steps: int = len(SHAPES)) -> tuple[list[float], dict[str, Any]]:
+    """Train `steps` SGD steps; mode None: no guard, else how the boundary is marked."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = None
+    if mode is not None:
+        g = guard.attach(model, policy=pol, vocab_size=100,
+                         optimizer=opt if mode == "optimizer" else None)
+    fwd = torch.compile(model, backend=backend) if compiled else model
+    losses = []
+    for i in range(steps):
+        b, t = SHAPES[i % len(SHAPES)]
+        _, loss = fwd(*batch(seed=i, b=b, t=t))
+        loss.backward()
+        if g is not None and mode == "step":
+            g.step(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    stats = {}
+    if g is not None:
+        g.detach()
+        stats = g.stats
+    return losses, stats
+
+
+def breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def frames() -> int:
+    return counters["frames"]["total"]
+
+
+@pytest.fixture(scope="module")
+def unguarded_frames() -> int:
+    """Frames dynamo compiles for the unguarded model over SHAPES; it breaks no graph."""
+    torch._dynamo.reset()
+    counters.clear()
+    run(tiny_gpt(garbage=0.5), compiled=True, mode=None)
+    assert breaks() == 0
+    return frames()
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "step", "forward"])
+def test_compiled_model_measures_and_masks_like_eager_without_graph_breaks(
+        mode: str, unguarded_frames: int) -> None:
+    eager_losses, eager_stats = run(tiny_gpt(garbage=0.5), compiled=False, mode=mode)
+    torch._dynamo.reset()
+    counters.clear()
+    losses, stats = run(tiny_gpt(garbage=0.5), compiled=True, mode=mode)
+    assert breaks() == 0 and not counters["unimplemented"]  # no break, no recompile limit
+    # The same frames compile with and without the guard (its head hooks are in the forward's
+    # graph, its model hooks run eagerly): no recompile of its own either.
+    assert frames() == unguarded_frames
+    assert losses == eager_losses  # the mask under compile: bitwise the eager numerics
+    assert stats == eager_stats  # the same sampled rows: the offset is a tensor under compile
+    assert stats["step"] == len(SHAPES) and stats["padding_mass"] > 0.05
+
+
+def test_guarded_model_inside_a_fullgraph_function() -> None:
+    m = tiny_gpt(garbage=0.5)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    eager = tiny_gpt(garbage=0.5)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+
+    @torch.compile(backend="eager", fullgraph=True)  # any graph break raises
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return m(x, y)[1]
+
+    with guard.attach(m, policy=SAMPLED, vocab_size=100, optimizer=opt) as g, \
+            guard.attach(eager, policy=SAMPLED, vocab_size=100, optimizer=eager_opt) as ge:
+        for i in range(3):
+            for fn, o in ((loss_of, opt), (lambda x, y: eager(x, y)[1], eager_opt)):
+                fn(*batch(seed=i)).backward()
+                o.step()
+                o.zero_grad()
+        assert g.stats == ge.stats and g.stats["step"] == 3
+
+
+def test_attach_to_an_already_compiled_module() -> None:
+    m = tiny_gpt(garbage=0.5)
+    compiled = torch.compile(m, backend="eager")
+    with guard.attach(compiled, policy=SAMPLED, vocab_size=100) as g:
+        assert g.model is m and g.heads.lm_head is m.lm_head  # hooks on the original
+        with pytest.raises(AttachError, match="already attached"):
+            guard.attach(m, policy=SAMPLED, vocab_size=100)
+        compiled(*batch())
+        compiled.eval()
+        with torch.no_grad():
+            logits, _ = compiled(batch(seed=1)[0])
+        assert torch.isneginf(logits[..., 100:]).all() and torch.isfinite(logits[..., :100]).all()
+    assert g.stats["step"] == 1 and g.stats["padding_mass"] > 0.05
+    assert breaks() == 0
+
+
+def test_unreachable_original_module_is_an_attach_error() -> None:
+    m = tiny_gpt()
+    with pytest.raises(AttachError, match=r"compiled GPT\.forward .*guard\.attach\(model\); "
+                       r"model = torch\.compile\(model\)"):
+        guard.attach(torch.compile(m.forward, backend="eager"), policy=SAMPLED)
+    with pytest.raises(AttachError, match="got a compiled function"):
+        guard.attach(torch.compile(lambda x: m(x), backend="eager"), policy=SAMPLED)
+    compiled = torch.compile(m, backend="eager")
+    del compiled._orig_mod  # e.g. a wrapper that dropped it
+    with pytest.raises(AttachError, match=r"cannot reach the original module.*attach to the "
+                       "module itself"):
+        guard.attach(compiled, policy=SAMPLED)
+
+
+class Tiny(nn.Module):
+    """Embedding -> tanh -> lm_head: the smallest model inductor compiles in seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(128, 16)
+        self.lm_head = nn.Linear(16, 128, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight[100:] = torch.randn(28, 16)  # garbage padding rows
+
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.lm_head(torch.tanh(self.wte(idx)))  # (B, T, 128)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1),
+                                                            targets.flatten())
+        return logits, loss
+
+
+def test_aot_autograd_trains_like_eager() -> None:
+    exact = policy(padding_mass={"action": "mask", "exact": True})
+    eager_losses, eager_stats = run(Tiny(), compiled=False, mode="optimizer", pol=exact, steps=3)
+    losses, stats = run(Tiny(), compiled=True, mode="optimizer", pol=exact, steps=3,
+                        backend="aot_eager")  # AOT autograd's forward and backward graphs
+    assert breaks() == 0
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    assert stats["padding_mass"] == pytest.approx(eager_stats["padding_mass"], rel=1e-6)
+    assert stats["violations"] == eager_stats["violations"] == {"padding_mass": {"mask": 3}}
+
+
+@pytest.mark.slow
+# Importing inductor touches torch.jit.script_method, deprecated in torch 2.13: torch's own.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("gcc") is None,
+                    reason="inductor on the CPU needs a C++ compiler")
+def test_inductor_measures_and_masks_like_eager() -> None:
+    """Forward only (training mode, no grad): inductor compiles a backward too slowly here."""
+    out = {}
+    for compiled in (False, True):
+        m = Tiny()
+        fwd = torch.compile(m, backend="inductor") if compiled else m
+        pol = policy(padding_mass={"action": "mask", "exact": True})
+        with guard.attach(m, policy=pol, vocab_size=100) as g, torch.no_grad():
+            for i in range(2):
+                logits, loss = fwd(*batch(seed=i))
+                g.step(loss)
+        out[compiled] = (logits, loss, g.stats)
+    (e_logits, e_loss, e_stats), (logits, loss, stats) = out[False], out[True]
+    assert breaks() == 0
+    assert torch.isneginf(logits[..., 100:]).all()
+    assert torch.allclose(logits[..., :100], e_logits[..., :100], rtol=1e-5, atol=1e-6)
+    assert float(loss) == pytest.approx(float(e_loss), rel=1e-5)
+    assert stats["padding_mass"] == pytest.approx(e_stats["padding_mass"], rel=1e-4)
+    assert stats["violations"] == e_stats["violations"] == {"padding_mass": {"mask": 2}}
