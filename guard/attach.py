@@ -22,7 +22,7 @@ from guard.errors import AttachError, GuardViolation
 from guard.flags import Flags, HostFlags, Slot
 from guard.hooks import Probe, ProbeConfig
 from guard.localise import Inputs, Localiser, capture, rerun
-from guard.policy import Policy, coerce_policy, default_run_id
+from guard.policy import CHECKS, Policy, coerce_policy, default_run_id
 from guard.report import build_report, empty_stats
 from guard.sinks import Sink
 from guard.sinks.push import PushSink
@@ -446,12 +446,17 @@ class Guard:
             suffix = f" (occurrence {n})" if n > 1 else ""
             log.warning("%s%s", v.message, suffix)
 
+    def _enabled_actions(self) -> dict[str, str]:
+        """check -> action for every check not off: reported as 0 until it fires, so the
+        counter series exist from the first scrape and increase() alerts see the first one."""
+        return {c: self.policy.action(c) for c in CHECKS if self.policy.action(c) != "off"}
+
     def _emit(self, *, final: bool = False) -> None:
         if not self.sinks:
             self._events.clear()
             return
         report = build_report(self.stats, events=self._events, halted=self._halted,
-                              vocab=self.vocab, final=final)
+                              vocab=self.vocab, final=final, zeros=self._enabled_actions())
         self._events = []
         for sink in self.sinks:
             try:
