@@ -12,7 +12,7 @@ __all__ = ["main"]
 Command = Callable[[argparse.Namespace], int]
 
 
-def _demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="reproduce the ghost-class collapse and stop it",
                        description="Train a small GPT three times from one seed: unguarded "
                        "(collapses), guarded with fail (stops), guarded with mask (trains).")
@@ -32,7 +32,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the guard server (POST /v1/reports, GET /metrics)")
     p.add_argument("--host", default=None, help="default GUARD_SERVER_HOST or 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default GUARD_SERVER_PORT or 9400")
