@@ -92,7 +92,9 @@ class Arm:
         self.times.append(time.perf_counter() - t0)
 
 
-def batches(n: int, b: int, t: int, device: str, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    n: int, b: int, t: int, device: str, seed: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         x = torch.randint(0, REAL, (b, t + 1), generator=g).to(device)
@@ -105,7 +107,8 @@ def run_interleaved(args: argparse.Namespace, names: list[str]) -> dict[str, flo
                          n_head=args.n_head, n_embd=args.n_embd))
     arms = [Arm(n, base, args.device) for n in names]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    for i, (x, y) in enumerate(batches(args.warmup + args.steps, args.batch, args.block, args.device)):
+    data = batches(args.warmup + args.steps, args.batch, args.block, args.device)
+    for i, (x, y) in enumerate(data):
         order = arms if i % 2 == 0 else arms[::-1]  # alternate who goes first
         for arm in order:
             arm.step(x, y, sync)
@@ -162,7 +165,8 @@ def machine() -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -195,7 +199,7 @@ def main() -> None:
         factor = da / dflt if dflt > 0 else float("inf")
         lines.append("")
         lines.append(f"Added time: default {dflt * 1e3:.2f} ms, detect_anomaly {da * 1e3:.1f} ms: "
-                     f"the default policy adds {'%.0f' % factor if factor != float('inf') else 'inf'}x "
+                     f"the default policy adds {factor:.0f}x "
                      "less time than detect_anomaly.")
     if not args.no_memory:
         base_mem, mask_mem = peak_memory(args, "baseline"), peak_memory(args, "mask")

@@ -380,7 +380,8 @@ class Guard:
             self._emit()
         if fail is not None:
             others = [v.check for v in found if v is not fail]
-            message = fail.message + (f" (also at this step: {', '.join(others)})" if others else "")
+            also = f" (also at this step: {', '.join(others)})" if others else ""
+            message = fail.message + also
             if raise_fail:
                 raise GuardViolation(message, check=fail.check, step=fail.step,
                                      rank=fail.rank, value=fail.value,
@@ -541,6 +542,11 @@ def attach(
         if embedding_rows == heads.head_rows:  # a vocab-parallel embedding, sharded alike
             embedding_rows = rows
     real = _real_vocab(vocab_size, tokenizer, pol, rows)
+    if vocab_shard is not None and real <= vocab_shard[0]:
+        raise AttachError(
+            f"vocab_shard={tuple(vocab_shard)} holds padding ids only (real vocab {real}): the "
+            "guard needs at least one real id per shard of a vocab-parallel head; use fewer "
+            "padding rows or a smaller tensor-parallel degree for the vocab")
     aud = audit_sizes(real=real, rows=rows, embedding_rows=embedding_rows,
                       tied=heads.tied, pad_multiple=pol.vocab.pad_multiple,
                       tensor_parallel=pol.vocab.tensor_parallel)

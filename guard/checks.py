@@ -38,7 +38,9 @@ def _check_real(vocab_real: int, rows: int) -> None:
     if isinstance(vocab_real, bool) or not isinstance(vocab_real, int):
         raise TypeError(f"vocab_real must be an int, got {type(vocab_real).__name__}")
     if not 0 < vocab_real <= rows:
-        raise ValueError(f"vocab_real must be in [1, {rows}] (the logits' last dim), got {vocab_real}")
+        raise ValueError(
+            f"vocab_real must be in [1, {rows}] (the logits' last dim), got {vocab_real}"
+        )
 
 
 def padding_mass_parts(logits: torch.Tensor, vocab_real: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +96,9 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).logical_not().sum()
 
 
-def out_of_range_count(ids: torch.Tensor, vocab_real: int, ignore_index: int | None) -> torch.Tensor:
+def out_of_range_count(
+    ids: torch.Tensor, vocab_real: int, ignore_index: int | None
+) -> torch.Tensor:
     """Token ids outside [0, vocab_real): ghost ids [real, rows) and impossible ones alike."""
     bad = (ids < 0) | (ids >= vocab_real)
     if ignore_index is not None:

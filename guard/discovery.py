@@ -45,7 +45,9 @@ def _weight(m: nn.Module) -> object:
 def _rows(m: nn.Module, name: str) -> int:
     w = getattr(m, "weight", None)
     if w is None or w.dim() != 2:
-        raise AttachError(f"{name} ({type(m).__name__}) has no 2-D weight; pass embedding= / lm_head=")
+        raise AttachError(
+            f"{name} ({type(m).__name__}) has no 2-D weight; pass embedding= / lm_head="
+        )
     return int(w.shape[0])  # Embedding (rows, d) and Linear (out, in) both keep the vocab first
 
 
@@ -80,7 +82,9 @@ def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
     shaped = [(n, m) for n, m in linears if m.out_features in rows]
     if len(shaped) == 1:
         return shaped[0][1]
-    seen = ", ".join(f"{n} (Linear {m.in_features}->{m.out_features})" for n, m in (named or shaped))
+    seen = ", ".join(
+        f"{n} (Linear {m.in_features}->{m.out_features})" for n, m in (named or shaped)
+    )
     wanted = " or ".join(str(r) for r in sorted(r for r in rows if r is not None)) or "vocab"
     raise AttachError(
         "cannot find the output head: "

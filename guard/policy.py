@@ -189,7 +189,8 @@ def _validate(data: Any, source: str) -> Policy:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise PolicyError(source, [f"<top>: expected a mapping of sections, got {type(data).__name__}"])
+        got = type(data).__name__
+        raise PolicyError(source, [f"<top>: expected a mapping of sections, got {got}"])
     try:
         return Policy.model_validate(data)
     except ValidationError as e:
@@ -207,7 +208,8 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in (".yaml", ".yml", ".toml", ".json"):
-        raise PolicyError(str(p), [f"unknown extension {suffix!r}; use .yaml, .yml, .toml or .json"])
+        expected = "use .yaml, .yml, .toml or .json"
+        raise PolicyError(str(p), [f"unknown extension {suffix!r}; {expected}"])
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
@@ -234,4 +236,5 @@ def coerce_policy(policy: Policy | dict[str, Any] | str | os.PathLike[str] | Non
         return _validate(policy, "<dict>")
     if isinstance(policy, str | os.PathLike):
         return load_policy(policy)
-    raise PolicyError("<argument>", [f"policy must be a Policy, dict or path, got {type(policy).__name__}"])
+    got = type(policy).__name__
+    raise PolicyError("<argument>", [f"policy must be a Policy, dict or path, got {got}"])

@@ -36,7 +36,9 @@ def tiny_gpt(rows: int = 128, *, seed: int = 0, tie: bool = True, garbage: float
     return m
 
 
-def batch(real: int = 100, *, seed: int = 0, b: int = 4, t: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    real: int = 100, *, seed: int = 0, b: int = 4, t: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, real, (b, t), generator=g)
     y = torch.randint(0, real, (b, t), generator=g)

@@ -173,7 +173,8 @@ def run_demo(args: argparse.Namespace) -> int:
             progress.update(task, note=arm.verdict.split(":")[0])
     guard_log.setLevel(level)
     mask, ref = arms[2], arms[3]
-    diff = max((abs(a - b) for a, b in zip(mask.losses, ref.losses, strict=False)), default=math.nan)
+    pairs = zip(mask.losses, ref.losses, strict=False)
+    diff = max((abs(a - b) for a, b in pairs), default=math.nan)
     _summary(console, Table, arms, diff)
     plot = _plot(arms, out / "losses.png")
     console.print(f"\nLoss curves: {plot}")

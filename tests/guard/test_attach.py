@@ -290,7 +290,7 @@ def test_each_training_forward_is_a_step_without_optimizer() -> None:
 def test_g_step_marks_boundaries_and_feeds_the_loss() -> None:
     m = tiny_gpt()
     with guard.attach(m, policy=policy(nonfinite={"action": "warn"}), vocab_size=100) as g:
-        _, loss = m(*batch())
+        m(*batch())
         g.step(torch.tensor(float("nan")))
         assert g.stats["step"] == 1
         assert g.stats["nonfinite"]["loss"] == 1
@@ -326,9 +326,9 @@ def test_detach_removes_every_hook_and_is_idempotent() -> None:
 
 def test_context_manager_detaches_after_a_violation() -> None:
     m = tiny_gpt(garbage=0.5)
-    with pytest.raises(GuardViolation):
-        with guard.attach(m, policy=policy(padding_mass={"action": "fail"}), vocab_size=100) as g:
-            g.step(m(*batch())[1])
+    pol = policy(padding_mass={"action": "fail"})
+    with pytest.raises(GuardViolation), guard.attach(m, policy=pol, vocab_size=100) as g:
+        g.step(m(*batch())[1])
     assert hook_count(m) == 0
 
 

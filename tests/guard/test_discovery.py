@@ -63,18 +63,18 @@ def test_ambiguous_head_names_candidates_and_explicit_override() -> None:
 
 
 def test_no_head_and_no_embedding() -> None:
-    with pytest.raises(AttachError, match="cannot find the output head.*pass lm_head="):
+    with pytest.raises(AttachError, match=r"cannot find the output head.*pass lm_head="):
         discover(nn.Sequential(nn.Embedding(10, 4), nn.ReLU()))
-    with pytest.raises(AttachError, match="has no nn.Embedding.*pass embedding="):
+    with pytest.raises(AttachError, match=r"has no nn.Embedding.*pass embedding="):
         discover(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 10)), lm_head=nn.Linear(4, 10))
-    with pytest.raises(AttachError, match="needs a torch.nn.Module"):
+    with pytest.raises(AttachError, match=r"needs a torch.nn.Module"):
         discover("model")  # type: ignore[arg-type]
 
 
 def test_second_attach_is_refused_until_detach() -> None:
     m = tiny_gpt()
     g = guard.attach(m, policy=QUIET, vocab_size=100)
-    with pytest.raises(AttachError, match="already attached.*detach"):
+    with pytest.raises(AttachError, match=r"already attached.*detach"):
         guard.attach(m, policy=QUIET, vocab_size=100)
     g.detach()
     guard.attach(m, policy=QUIET, vocab_size=100).detach()
@@ -89,7 +89,7 @@ def test_real_vocab_sources_must_agree() -> None:
 
     with pytest.raises(AttachError, match=r"ambiguous: vocab_size= 100, len\(tokenizer\) 90"):
         guard.attach(m, policy=QUIET, vocab_size=100, tokenizer=Tok())
-    with pytest.raises(AttachError, match="policy vocab.real_size 80"):
+    with pytest.raises(AttachError, match=r"policy vocab.real_size 80"):
         guard.attach(m, policy={**QUIET, "vocab": {"real_size": 80}}, vocab_size=100)
     with pytest.raises(AttachError, match="must support len"):
         guard.attach(m, policy=QUIET, tokenizer=object())

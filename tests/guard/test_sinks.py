@@ -49,7 +49,8 @@ def test_embedded_endpoint_serves_the_guards_reports() -> None:
         text = httpx.get(g.metrics_url).text
         runs = httpx.get(g.metrics_url.replace("/metrics", "/v1/runs/sink-test")).json()
     assert 'guard_step{rank="0",run_id="sink-test"} 3.0' in text
-    assert 'guard_violations_total{action="warn",check="padding_mass",rank="0",run_id="sink-test"} 3.0' in text
+    labels = 'action="warn",check="padding_mass",rank="0",run_id="sink-test"'
+    assert f"guard_violations_total{{{labels}}} 3.0" in text
     assert 'guard_vocab_size{kind="rows",rank="0",run_id="sink-test"} 128.0' in text
     assert "padding_mass on rank 0" in str(runs)
     with pytest.raises(httpx.ConnectError):  # stopped by detach
@@ -63,10 +64,11 @@ def test_taken_port_is_a_warning_and_training_goes_on(caplog: pytest.LogCaptureF
     port = holder.getsockname()[1]
     m = tiny_gpt()
     try:
-        with caplog.at_level(logging.WARNING, logger="guard"):
-            with guard.attach(m, policy=serving(serve=f"127.0.0.1:{port}"), vocab_size=100) as g:
-                train_steps(g, m, 2)
-                assert g.metrics_url is None and g.stats["step"] == 2
+        pol = serving(serve=f"127.0.0.1:{port}")
+        with caplog.at_level(logging.WARNING, logger="guard"), \
+                guard.attach(m, policy=pol, vocab_size=100) as g:
+            train_steps(g, m, 2)
+            assert g.metrics_url is None and g.stats["step"] == 2
     finally:
         holder.close()
     assert f"cannot serve /metrics on 127.0.0.1:{port}" in caplog.text
@@ -132,7 +134,8 @@ def test_push_with_the_wrong_token_drops_and_counts(monkeypatch: pytest.MonkeyPa
     from guard_server.settings import Settings
 
     port = free_port()
-    server = EmbeddedServer("127.0.0.1", port, settings=Settings(token="right", log_level="warning"))
+    settings = Settings(token="right", log_level="warning")
+    server = EmbeddedServer("127.0.0.1", port, settings=settings)
     server.start()
     try:
         sink = PushSink(server.url or "", token="wrong", flush_interval_s=0.05)
