@@ -1,14 +1,16 @@
-"""One fault scenario in which every alert condition holds, in two forms, for loopback tests.
+"""One fault scenario in which every alert condition holds, as a static exposition.
 
 Run RUN, two ranks (job / instance are added by Prometheus, as for the real server):
   rank 0  every fault: padding mass 2 % unmasked, NaN logits and loss, ghost labels, loss
           spikes, halted by nonfinite, dropped reports; reporting now.
-  rank 1  healthy numbers, the same padding mass but masked, and (exposition only) silent
-          for 10 minutes.
+  rank 1  healthy numbers, the same padding mass but masked, and silent for 10 minutes.
 `fault_exposition` is guard-server's /metrics text, served by `serve_exposition`; its
 counters grow by one per scrape, so rate() and increase() see real increments.
-`fault_batches` is the same state as POST /v1/reports bodies (docs/wire.md), for a real
-guard-server; the server stamps each rank's report time itself, so no rank is silent.
+
+A real guard-server fed by a real training run is test_live_training.py; this static form
+stays because it holds what a live server cannot show within a test: a rank silent for
+minutes (GuardRankSilent; the server stamps report times itself) and every alert firing for
+one rank at once, with a metric text that `promtool check metrics` lints.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 RUN = "test-run.1"  # the dot checks that the dashboard's regex matchers escape run ids
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus 3 needs it exact
@@ -33,44 +34,7 @@ FIRING = {
     "GuardRankSilent": {"1"},
     "GuardReportsDropped": {"0"},
 }
-FIRING_FROM_BATCHES = {k: v for k, v in FIRING.items() if k != "GuardRankSilent"}
 VOCAB = {"real": 50000, "rows": 50016, "aligned": 50048}  # 50000 rounded up to 64: 50048
-
-
-def fault_batches(now: float) -> list[dict[str, Any]]:
-    """The scenario as one POST /v1/reports body per rank."""
-    healthy = {"logits": 0, "hidden": 0, "loss": 0}
-    report = {
-        "step": 120,
-        "timestamp": now,
-        "loss": 87.3,
-        "padding_mass": 0.02,
-        "padding_mass_max": 0.3,
-        "nonfinite": {"logits": 4, "hidden": 0, "loss": 1},
-        "out_of_range": {"input": 0, "label": 3},
-        "violations": {"loss_spike": {"warn": 1}, "padding_mass": {"warn": 5},
-                       "nonfinite": {"fail": 1}},
-        "skipped_steps": 1,
-        "halted": "nonfinite",
-        "vocab": VOCAB,
-        "dropped_reports": 7,
-        "final": False,
-        "events": [],
-    }  # fmt: skip
-    masked = report | {
-        "step": 40,
-        "loss": 2.1,
-        "nonfinite": healthy,
-        "out_of_range": {"input": 0, "label": 0},
-        "violations": {"padding_mass": {"mask": 5}},
-        "skipped_steps": 0,
-        "halted": None,
-        "dropped_reports": 0,
-    }
-    return [
-        {"run_id": RUN, "rank": 0, "reports": [report]},
-        {"run_id": RUN, "rank": 1, "reports": [masked]},
-    ]
 
 
 Render = Callable[[int, float], str]
