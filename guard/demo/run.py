@@ -87,7 +87,6 @@ def _policy(action: str, args: argparse.Namespace) -> dict[str, Any]:
             # 50016 is not a multiple of 64: reported, not fatal, so the step checks show.
             "alignment": {"action": "warn"},
             "padding_mass": {"action": action},
-            "loss_spike": {"action": "off"},
         },
         "export": {"serve": None, "push": args.push},
     }
