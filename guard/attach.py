@@ -1,29 +1,28 @@
-"""`attach()` and the Guard: wiring of hooks, step boundaries, actions, stats and sinks."""
+"""`attach()` and the Guard: hooks, step boundaries and the action at each read."""
 
 from __future__ import annotations
 
 import logging
 import os
 import weakref
-from collections import Counter
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from guard.checks import nonfinite_count
-from guard.decide import Violation, evaluate, thresholds
+from guard.decide import attach_violations, evaluate, thresholds
 from guard.discovery import Heads, discover, unwrap_compiled
+from guard.episodes import Episodes
 from guard.errors import AttachError, GuardViolation
 from guard.flags import Flags, HostFlags, Slot
 from guard.hooks import Probe, ProbeConfig
-from guard.localise import Inputs, Localiser, capture, rerun
+from guard.ledger import Ledger
 from guard.policy import CHECKS, Policy, coerce_policy, default_run_id
-from guard.report import build_report, empty_stats
+from guard.resolve import check_skip, rank_of_process, real_vocab
 from guard.sinks import Sink
 from guard.sinks.push import PushSink
 from guard.sinks.serve import start_embedded
@@ -38,57 +37,6 @@ log = logging.getLogger("guard")
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
 
 _STEP_CHECKS = ("padding_mass", "nonfinite", "token_range", "loss_spike")
-# Warnings per check: every one of the first few, then one in this many, so a run that warns
-# every step still shows its first occurrences without flooding the log.
-_LOG_FIRST, _LOG_EVERY = 5, 100
-
-
-def _rank() -> tuple[int, int]:
-    """(global rank, local rank) from torch.distributed, else torchrun's environment."""
-    if dist.is_available() and dist.is_initialized():
-        rank = dist.get_rank()
-    else:
-        rank = int(os.environ.get("RANK", "0"))
-    return rank, int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def _real_vocab(vocab_size: int | None, tokenizer: Any, policy: Policy, rows: int) -> int:
-    sources: dict[str, int] = {}
-    if vocab_size is not None:
-        sources["vocab_size="] = vocab_size
-    if policy.vocab.real_size is not None:
-        sources["policy vocab.real_size"] = policy.vocab.real_size
-    if tokenizer is not None:
-        try:
-            sources["len(tokenizer)"] = len(tokenizer)
-        except TypeError:
-            raise AttachError(
-                f"tokenizer= must support len() (got {type(tokenizer).__name__}); "
-                "pass vocab_size=<ids the tokenizer can produce> instead"
-            ) from None
-    for name, n in sources.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise AttachError(f"{name} must be a positive int, got {n!r}")
-    if len(set(sources.values())) > 1:
-        seen = ", ".join(f"{k} {v}" for k, v in sources.items())
-        raise AttachError(f"the real vocab size is ambiguous: {seen}; give one of them")
-    return next(iter(sources.values()), rows)
-
-
-def _check_skip(policy: Policy, optimizer: torch.optim.Optimizer | None) -> None:
-    """`skip` drops an optimizer step from the optimizer's step pre-hook, so it needs one."""
-    skipping = [c for c in ("nonfinite", "loss_spike") if policy.action(c) == "skip"]
-    if not skipping:
-        return
-    if optimizer is None:
-        raise AttachError(
-            f"checks.{skipping[0]}.action: skip drops the optimizer step, so the guard needs "
-            "the optimizer: guard.attach(model, optimizer=opt, ...); or choose fail, warn or off"
-        )
-    if policy.cadence.read_every > 1:
-        log.warning("guard: with cadence.read_every %d, skip drops only the step at which the "
-                    "flags are read; the other steps of the window are applied. Use "
-                    "read_every: 1 with skip.", policy.cadence.read_every)
 
 
 class Guard:
@@ -106,7 +54,7 @@ class Guard:
         self.model, self.heads, self.policy, self.audit = model, heads, policy, audit
         self.vocab_shard = vocab_shard
         self.optimizer = optimizer
-        self.rank, self.local_rank = _rank()
+        self.rank, self.local_rank = rank_of_process()
         self.run_id = policy.run_id or default_run_id()
         self.real = audit.real
         self.rows = audit.rows
@@ -134,16 +82,16 @@ class Guard:
         self.spike = None if ls.action == "off" else SpikeTracker(
             window=ls.window, factor=ls.factor, min_delta=ls.min_delta, warmup=ls.warmup,
             device=self.flags.device, dtype=self.flags.t.dtype)
-        # Localisation of nonfinite (guard/localise.py): the last training forward's inputs
-        # for a re-run, or flag hooks armed for the next forward; once per run of NaN reads.
-        self._localise = c.nonfinite.action != "off" and c.nonfinite.localise
-        self._inputs: Inputs | None = None
-        self._armed: Localiser | None = None
-        self._armed_step = 0
-        self._localised = False
+        # Which module went non-finite, once per run of nonfinite reads (guard/episodes.py).
+        localise = c.nonfinite.action != "off" and c.nonfinite.localise
+        self.episodes = Episodes(model) if localise else None
         # Only warn/mask/off: the host may read one step late and never stall the device.
         self.lagged = all(policy.action(ch) in ("warn", "mask", "off") for ch in _STEP_CHECKS)
-        self.sinks: list[Sink] = []
+        self.ledger = Ledger(
+            {"real": audit.real, "rows": audit.rows, "aligned": audit.aligned},
+            # Reported as 0 until they fire, so counter series exist from the first scrape.
+            {ch: policy.action(ch) for ch in CHECKS if policy.action(ch) != "off"},
+        )
         self._handles: list[RemovableHandle] = []
         self._step = 0
         self._read_step = 0  # step whose values a lagged read returns next
@@ -151,10 +99,6 @@ class Guard:
         self._forward_pending = False  # forward mode: a forward ended, its boundary not yet run
         self._loss: torch.Tensor | None = None
         self._loss_src: torch.Tensor | None = None
-        self._stats = empty_stats()
-        self._violations: dict[str, Counter[str]] = {}
-        self._events: list[Violation] = []
-        self._halted: str | None = None
         self._detached = False
         self.metrics_url: str | None = None  # the embedded endpoint, when it runs
 
@@ -163,15 +107,15 @@ class Guard:
     @property
     def stats(self) -> dict[str, Any]:
         """A plain-dict snapshot as of the last host read (DESIGN.md)."""
-        s = dict(self._stats)
-        s["nonfinite"] = dict(s["nonfinite"])
-        s["out_of_range"] = dict(s["out_of_range"])
-        s["violations"] = {c: dict(a) for c, a in self._violations.items()}
-        return s
+        return self.ledger.stats
 
     @property
     def vocab(self) -> dict[str, int]:
-        return {"real": self.audit.real, "rows": self.audit.rows, "aligned": self.audit.aligned}
+        return dict(self.ledger.vocab)
+
+    @property
+    def sinks(self) -> list[Sink]:
+        return self.ledger.sinks
 
     def _export(self) -> None:
         """Sinks from the policy's export section; a sink that cannot start is a warning."""
@@ -186,10 +130,11 @@ class Guard:
             self.add_sink(PushSink(ex.push))
 
     def add_sink(self, sink: Sink) -> None:
+        """Send this guard's reports to `sink` too (e.g. guard.sinks.MemorySink)."""
         bind = getattr(sink, "bind", None)
         if callable(bind):
             bind(self.run_id, self.rank)
-        self.sinks.append(sink)
+        self.ledger.sinks.append(sink)
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """Feed the loss; without `optimizer=`, also mark an optimizer-step boundary."""
@@ -220,10 +165,8 @@ class Guard:
             h.remove()
         self.probe.handles.clear()
         self._handles.clear()
-        if self._armed is not None:
-            self._armed.disarm()
-            self._armed = None
-        self._inputs = None
+        if self.episodes is not None:
+            self.episodes.close()
         _ATTACHED.pop(self.model, None)
         try:
             if self._forward_pending:
@@ -237,9 +180,8 @@ class Guard:
             if current is not None and self._step > self._read_step:
                 self._apply(current, self._step, raise_fail=False, emit=False)
         finally:
-            self._emit(final=True)
-            for sink in self.sinks:
-                sink.close()
+            self.ledger.emit(final=True)
+            self.ledger.close()
 
     def __enter__(self) -> Guard:
         return self
@@ -261,7 +203,7 @@ class Guard:
         if self.optimizer is None and not self._explicit:
             self.probe.on_forward_start = self._forward_start
         self.probe.on_forward_end = self._forward_end
-        if self._localise and self.optimizer is not None:
+        if self.episodes is not None and self.optimizer is not None:
             self.probe.on_inputs = self._keep_inputs
         self.probe.install(self.model, self.heads.embedding, self.heads.lm_head)
         if self.optimizer is not None:
@@ -293,7 +235,8 @@ class Guard:
                     p.grad = None
 
     def _keep_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._inputs = capture(args, kwargs, self.flags.device.type)
+        if self.episodes is not None:
+            self.episodes.keep(args, kwargs, self.flags.device.type)
 
     def _record_loss(self, loss: torch.Tensor) -> None:
         if loss is self._loss_src:
@@ -347,27 +290,20 @@ class Guard:
         `in_step`: the values are this step's, read in the optimizer's step pre-hook.
         """
         local, glob, who = values
-        s = self._stats
-        s["step"] = step
-        if local[Slot.LOSS_SEEN]:
-            s["loss"] = local[Slot.LOSS]
-        if local[Slot.PM_COUNT]:
-            s["padding_mass"] = local[Slot.PM_SUM] / local[Slot.PM_COUNT]
-            s["padding_mass_max"] = local[Slot.PM_MAX]
-        for key, slot in (("logits", Slot.NF_LOGITS), ("hidden", Slot.NF_HIDDEN),
-                          ("loss", Slot.NF_LOSS)):
-            s["nonfinite"][key] += int(local[slot])
-        s["out_of_range"]["input"] += int(local[Slot.OOR_INPUT])
-        s["out_of_range"]["label"] += int(local[Slot.OOR_LABEL])
+        self.ledger.update(local, step)
         found = evaluate(glob, who, step=step, rank=self.rank, policy=self.policy,
                          real=self.cfg.real, rows=self.rows)
-        if self._localise:
-            found = self._localise_nonfinite(found, rerun_now=in_step)
+        if self.episodes is not None:
+            found, note = self.episodes.annotate(found, rerun_now=in_step, step=self._step,
+                                                 rank=self.rank,
+                                                 action=self.policy.action("nonfinite"))
+            if note is not None:
+                self.ledger.note(note)
         for v in found:
-            self._record(v)
+            self.ledger.record(v)
         fail = next((v for v in found if v.action == "fail"), None)
         if fail is not None:
-            self._halted = fail.check
+            self.ledger.halted = fail.check
         # Every rank reads the same all-reduced values, so every rank skips the same step.
         skip = in_step and fail is None and any(v.action == "skip" for v in found)
         if skip and closure:
@@ -375,9 +311,9 @@ class Guard:
                       "drop step %d; it is applied", step)
             skip = False
         if skip:
-            s["skipped_steps"] += 1
+            self.ledger.skipped()
         if emit:
-            self._emit()
+            self.ledger.emit()
         if fail is not None:
             others = [v.check for v in found if v is not fail]
             also = f" (also at this step: {', '.join(others)})" if others else ""
@@ -390,103 +326,16 @@ class Guard:
             log.error("%s", message)
         return skip
 
-    def _localise_nonfinite(self, found: list[Violation], *, rerun_now: bool) -> list[Violation]:
-        """Name the first non-finite module in a nonfinite violation (guard/localise.py)."""
-        root = type(self.model).__name__
-        if self._armed is not None and self._armed.calls:
-            armed, self._armed = self._armed, None
-            self._report_armed(armed, root)
-        i = next((k for k, v in enumerate(found) if v.check == "nonfinite"), None)
-        if i is None:
-            self._localised = False  # a clean read: the next NaN is a new episode
-            return found
-        if self._localised:
-            return found
-        self._localised = True
-        v = found[i]
-        if rerun_now and self._inputs is not None:
-            finding = rerun(self.model, self._inputs)
-            if finding is None:
-                note = ("every module output was finite on a re-run of the last forward: the "
-                        "value arose outside the modules (the loss?) or in an earlier micro-batch")
-                found[i] = replace(v, message=f"{v.message} Localisation: {note}.")
-            else:
-                found[i] = replace(v, module=finding.module or root,
-                                   message=f"{v.message} Localisation: {finding.describe(root)}.")
-        elif v.action == "fail":
-            found[i] = replace(v, message=f"{v.message} Pass optimizer= to guard.attach to name "
-                               "the first non-finite module at the failing step.")
-        elif self._armed is None:
-            self._armed = Localiser(self.model, training_only=True)
-            self._armed.arm()
-            self._armed_step = v.step
-        return found
-
-    def _report_armed(self, loc: Localiser, root: str) -> None:
-        """Flags armed after an earlier violation saw a training forward: one event, no count."""
-        loc.disarm()
-        finding = loc.first()
-        where = f"nonfinite on rank {self.rank} at step {self._step}"
-        if finding is None:
-            message = (f"{where}: the non-finite value seen at step {self._armed_step} did not "
-                       "recur in the next training forward; not localised")
-        else:
-            message = (f"{where}: localised with per-module flags armed after step "
-                       f"{self._armed_step}: {finding.describe(root)}")
-        log.warning("%s", message)
-        self._events.append(Violation("nonfinite", self.policy.action("nonfinite"), self._step,
-                                      self.rank, 0.0, 0.0, message,
-                                      None if finding is None else finding.module or root))
-
-    def _record(self, v: Violation) -> None:
-        counts = self._violations.setdefault(v.check, Counter())
-        counts[v.action] += 1
-        self._events.append(v)
-        n = counts[v.action]
-        if v.action != "fail" and (n <= _LOG_FIRST or n % _LOG_EVERY == 0):
-            suffix = f" (occurrence {n})" if n > 1 else ""
-            log.warning("%s%s", v.message, suffix)
-
-    def _enabled_actions(self) -> dict[str, str]:
-        """check -> action for every check not off: reported as 0 until it fires, so the
-        counter series exist from the first scrape and increase() alerts see the first one."""
-        return {c: self.policy.action(c) for c in CHECKS if self.policy.action(c) != "off"}
-
-    def _emit(self, *, final: bool = False) -> None:
-        if not self.sinks:
-            self._events.clear()
-            return
-        report = build_report(self.stats, events=self._events, halted=self._halted,
-                              vocab=self.vocab, final=final, zeros=self._enabled_actions())
-        self._events = []
-        for sink in self.sinks:
-            try:
-                sink.emit(report)
-            except Exception:  # a sink must never stop training
-                log.exception("guard: sink %r failed; continuing", sink)
-
     def _attach_checks(self) -> None:
         """alignment and vocab, before any hook: `fail` stops the job before step 1."""
-        multiple = self.audit.pad_multiple * self.audit.tensor_parallel
-        for check, problems in (("alignment", self.audit.alignment_problems),
-                                ("vocab", self.audit.vocab_problems)):
-            action = self.policy.action(check)
-            if action == "off" or not problems:
-                continue
-            next_ = "stopping before the first step (action: fail)" if action == "fail" \
-                else "continuing (action: warn)"
-            message = (f"{check} on rank {self.rank} at attach: {'; '.join(problems)}; "
-                       f"{next_}. Fix: build embedding and lm_head with {self.audit.aligned} rows "
-                       f"(a multiple of {multiple}) and mask columns [{self.real}, "
-                       f"{self.audit.aligned}) with checks.padding_mass.action: mask.")
-            value = float(self.rows if check == "alignment" else self.real)
-            threshold = float(multiple if check == "alignment" else self.rows)
-            v = Violation(check, action, 0, self.rank, value, threshold, message)
-            self._record(v)
-            if action == "fail":
-                self._halted = check
-                raise GuardViolation(message, check=check, step=0, rank=self.rank, value=value,
-                                     threshold=threshold, action="fail")
+        found = attach_violations(self.audit, self.policy, self.rank)
+        for v in found:
+            self.ledger.record(v)
+        fail = next((v for v in found if v.action == "fail"), None)
+        if fail is not None:
+            self.ledger.halted = fail.check
+            raise GuardViolation(fail.message, check=fail.check, step=0, rank=self.rank,
+                                 value=fail.value, threshold=fail.threshold, action="fail")
 
 
 def audit(
@@ -502,7 +351,7 @@ def audit(
     """The three vocab sizes of `model`, tied or not, and alignment for TP 1/2/4/8."""
     model = unwrap_compiled(model)  # type: ignore[assignment]
     heads = discover(model, embedding=embedding, lm_head=lm_head)
-    real = _real_vocab(vocab_size, tokenizer, Policy(), heads.head_rows)
+    real = real_vocab(vocab_size, tokenizer, Policy(), heads.head_rows)
     return audit_sizes(real=real, rows=heads.head_rows, embedding_rows=heads.embedding_rows,
                        tied=heads.tied, pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
 
@@ -525,7 +374,7 @@ def attach(
     """
     pol = coerce_policy(policy)
     model = unwrap_compiled(model)  # type: ignore[assignment]
-    _check_skip(pol, optimizer)
+    check_skip(pol, optimizer)
     if isinstance(model, nn.Module) and model in _ATTACHED:
         raise AttachError(
             f"a guard is already attached to this model ({_ATTACHED[model]!r}); "
@@ -541,7 +390,7 @@ def attach(
             raise AttachError(str(e)) from None
         if embedding_rows == heads.head_rows:  # a vocab-parallel embedding, sharded alike
             embedding_rows = rows
-    real = _real_vocab(vocab_size, tokenizer, pol, rows)
+    real = real_vocab(vocab_size, tokenizer, pol, rows)
     if vocab_shard is not None and real <= vocab_shard[0]:
         raise AttachError(
             f"vocab_shard={tuple(vocab_shard)} holds padding ids only (real vocab {real}): the "
@@ -556,9 +405,8 @@ def attach(
     try:
         g._attach_checks()
     except GuardViolation:
-        g._emit(final=True)  # the halt reaches the metrics before the job stops
-        for sink in g.sinks:
-            sink.close()
+        g.ledger.emit(final=True)  # the halt reaches the metrics before the job stops
+        g.ledger.close()
         raise
     g._install()
     log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from guard.flags import Slot
 from guard.policy import Policy
+from guard.vocab import Audit
 
-__all__ = ["Violation", "evaluate", "thresholds"]
+__all__ = ["Violation", "attach_violations", "evaluate", "thresholds"]
 
 _NEXT = {
     "fail": "stopping (action: fail)",
@@ -119,4 +120,25 @@ def evaluate(
             f"{_fmt(glob[Slot.SPIKE_RATIO])}x the median of its last {ls.window} losses, expected "
             f"<= {ls.factor:g}x (or a rise <= {ls.min_delta:g}); {_NEXT[ls.action]}. Look for "
             "unmasked padding columns, a bad batch or a too high learning rate."))
+    return out
+
+
+def attach_violations(audit: Audit, policy: Policy, rank: int) -> list[Violation]:
+    """The attach-time checks, alignment and vocab, as violations (step 0)."""
+    multiple = audit.pad_multiple * audit.tensor_parallel
+    out = []
+    for check, problems in (("alignment", audit.alignment_problems),
+                            ("vocab", audit.vocab_problems)):
+        action = policy.action(check)
+        if action == "off" or not problems:
+            continue
+        next_ = ("stopping before the first step (action: fail)" if action == "fail"
+                 else "continuing (action: warn)")
+        message = (f"{check} on rank {rank} at attach: {'; '.join(problems)}; {next_}. Fix: "
+                   f"build embedding and lm_head with {audit.aligned} rows (a multiple of "
+                   f"{multiple}) and mask columns [{audit.real}, {audit.aligned}) with "
+                   "checks.padding_mass.action: mask.")
+        value = float(audit.rows if check == "alignment" else audit.real)
+        threshold = float(multiple if check == "alignment" else audit.rows)
+        out.append(Violation(check, action, 0, rank, value, threshold, message))
     return out

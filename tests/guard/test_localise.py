@@ -190,7 +190,7 @@ def test_fail_without_optimizer_says_how_to_localise() -> None:
 
 def test_localise_off_never_reruns(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(sys.modules["guard.attach"], "rerun", lambda *a: calls.append(1))
+    monkeypatch.setattr(sys.modules["guard.episodes"], "rerun", lambda *a: calls.append(1))
     m = tiny_gpt()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pol = policy(nonfinite={"action": "warn", "localise": False})
@@ -199,7 +199,7 @@ def test_localise_off_never_reruns(monkeypatch: pytest.MonkeyPatch) -> None:
         m(*batch())[1].backward()
         opt.step()
         assert g.stats["violations"] == {"nonfinite": {"warn": 1}} and calls == []
-        assert g._inputs is None  # nothing held either
+        assert g.episodes is None  # nothing held either
 
 
 def test_rerun_repeats_the_forwards_autocast() -> None:

@@ -182,7 +182,7 @@ def test_every_rank_skips_on_the_all_reduced_values() -> None:
         assert g._apply((local, glob, who), 1, raise_fail=True, in_step=True) is True
         assert g.stats["skipped_steps"] == 1
         assert g.stats["nonfinite"]["loss"] == 0  # this rank's own count
-        v = g._violations["nonfinite"]
+        v = g.stats["violations"]["nonfinite"]
         assert v == {"skip": 1}
 
 
