@@ -27,8 +27,24 @@ def _demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    import torch
+
     from guard.demo.run import run_demo
 
+    problem = None
+    if args.steps < 1:
+        problem = f"--steps must be >= 1, got {args.steps}"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        problem = problem or f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1)"
+    else:
+        if device.type == "cuda" and not torch.cuda.is_available():
+            problem = problem or ("--device cuda: this torch has no CUDA device "
+                                  f"(torch {torch.__version__}); see README, GPU")
+    if problem:
+        print(f"guard demo: {problem}", file=sys.stderr)
+        return 2
     return run_demo(args)
 
 

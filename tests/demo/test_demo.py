@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from guard.cli import main
@@ -42,3 +43,16 @@ def test_garbage_is_finite_and_the_reference_shares_the_real_rows() -> None:
     padded, ref = build(0, 16, 1)
     assert padded.wte.weight.shape[0] == ROWS and ref.wte.weight.shape[0] == REAL
     assert torch.equal(padded.wte.weight[:REAL], ref.wte.weight)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--device", "gpu7"], "'gpu7' is not a torch device"),
+    ],
+)
+def test_bad_demo_flags_name_the_flag(argv: list[str], expected: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--no-serve", *argv]) == 2
+    assert expected in capsys.readouterr().err
