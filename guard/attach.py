@@ -33,8 +33,14 @@ __all__ = ["Guard", "attach", "audit"]
 
 log = logging.getLogger("guard")
 
-# Models with a guard attached: a second attach would double-count and double-mask.
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
+# Models with a guard attached: a second attach would double-count and double-mask. Weak both
+# ways: the Guard holds its model, so a strong value would keep every model alive.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Guard]] = weakref.WeakKeyDictionary()
+
+
+def _attached(model: nn.Module) -> Guard | None:
+    ref = _ATTACHED.get(model)
+    return None if ref is None else ref()
 
 _STEP_CHECKS = ("padding_mass", "nonfinite", "token_range", "loss_spike")
 
@@ -97,8 +103,10 @@ class Guard:
         self._read_step = 0  # step whose values a lagged read returns next
         self._explicit = False
         self._forward_pending = False  # forward mode: a forward ended, its boundary not yet run
-        self._loss: torch.Tensor | None = None
-        self._loss_src: torch.Tensor | None = None
+        self._loss: torch.Tensor | None = None  # this step's loss, detached
+        self._loss_src: torch.Tensor | None = None  # ... and the tensor it came from
+        self._loss_given = False  # it came from g.step(loss), not the model's output
+        self._folded: weakref.ref[torch.Tensor] | None = None  # the last step's loss
         self._detached = False
         self.metrics_url: str | None = None  # the embedded endpoint, when it runs
 
@@ -143,7 +151,7 @@ class Guard:
         if loss is not None:
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(f"g.step(loss): expected a tensor, got {type(loss).__name__}")
-            self._record_loss(loss)
+            self._record_loss(loss, given=True)
         if self.optimizer is None:
             self.manual_steps()
             self._boundary()
@@ -176,7 +184,9 @@ class Guard:
             pending = self.flags.flush()
             if pending is not None:
                 self._apply(pending, self._read_step, raise_fail=False, emit=False)
-            current = self.flags.read(lagged=False)
+            # Local only: one rank may detach alone (an exception unwinding a `with`), and a
+            # collective the other ranks do not join would hang them.
+            current = self.flags.read(lagged=False, reduce=False)
             if current is not None and self._step > self._read_step:
                 self._apply(current, self._step, raise_fail=False, emit=False)
         finally:
@@ -208,7 +218,7 @@ class Guard:
         self.probe.install(self.model, self.heads.embedding, self.heads.lm_head)
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre))
-        _ATTACHED[self.model] = self
+        _ATTACHED[self.model] = weakref.ref(self)
 
     # Without optimizer= and g.step(), a training forward is a step. Its boundary runs when the
     # next training forward starts (or at detach), not when it ends: a loop that calls
@@ -238,17 +248,26 @@ class Guard:
         if self.episodes is not None:
             self.episodes.keep(args, kwargs, self.flags.device.type)
 
-    def _record_loss(self, loss: torch.Tensor) -> None:
-        if loss is self._loss_src:
-            return  # the model's output loss fed again through g.step(loss)
-        if self._loss is not None:  # gradient accumulation: count the earlier micro-batch
+    def _record_loss(self, loss: torch.Tensor, *, given: bool = False) -> None:
+        """This step's loss: the model's output, replaced by g.step(loss) when that is called.
+
+        A second output loss in one step is a gradient-accumulation micro-batch: the earlier one
+        is counted for nonfinite. The same tensor seen twice (the model's loss fed to g.step,
+        before or after optimizer.step()) counts once.
+        """
+        if loss is self._loss_src or (self._folded is not None and self._folded() is loss):
+            return
+        # Only g.step(loss) right after the forward replaces (e.g. rescales) its output loss.
+        if self._loss is not None and (self._loss_given or not given):
             self.flags.add(Slot.NF_LOSS, nonfinite_count(self._loss))
-        self._loss_src, self._loss = loss, loss.detach()
+        self._loss_src, self._loss, self._loss_given = loss, loss.detach(), given
 
     def _fold_loss(self) -> None:
         if self._loss is None:
             return
-        loss, self._loss, self._loss_src = self._loss, None, None
+        if self._loss_src is not None:
+            self._folded = weakref.ref(self._loss_src)
+        loss, self._loss, self._loss_src, self._loss_given = self._loss, None, None, False
         self.flags.follow(loss.device)
         self.flags.set(Slot.LOSS, loss.to(self.flags.t.dtype))
         self.flags.t[Slot.LOSS_SEEN].fill_(1.0)
@@ -375,10 +394,15 @@ def attach(
     pol = coerce_policy(policy)
     model = unwrap_compiled(model)  # type: ignore[assignment]
     check_skip(pol, optimizer)
-    if isinstance(model, nn.Module) and model in _ATTACHED:
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise AttachError(
-            f"a guard is already attached to this model ({_ATTACHED[model]!r}); "
-            "call detach() on it first"
+            f"optimizer= must be a torch.optim.Optimizer (its step pre-hook is the step "
+            f"boundary), got {type(optimizer).__name__}; pass the torch optimizer a wrapper "
+            "holds (accelerate: wrapper.optimizer), or use guard.integrations"
+        )
+    if isinstance(model, nn.Module) and (held := _attached(model)) is not None:
+        raise AttachError(
+            f"a guard is already attached to this model ({held!r}); call detach() on it first"
         )
     heads = discover(model, embedding=embedding, lm_head=lm_head)
     rows, embedding_rows = heads.head_rows, heads.embedding_rows
@@ -401,14 +425,20 @@ def attach(
                       tensor_parallel=pol.vocab.tensor_parallel)
     g = Guard(model, heads, pol, aud, optimizer,
               None if vocab_shard is None else (vocab_shard[0], vocab_shard[1]))
-    g._export()
     try:
+        g._export()
         g._attach_checks()
-    except GuardViolation:
-        g.ledger.emit(final=True)  # the halt reaches the metrics before the job stops
+        g._install()
+    except BaseException as e:
+        # Nothing of a failed attach stays behind: hooks, registry entry, server thread.
+        g.probe.remove()
+        for h in g._handles:
+            h.remove()
+        _ATTACHED.pop(model, None)
+        if isinstance(e, GuardViolation):
+            g.ledger.emit(final=True)  # the halt reaches the metrics before the job stops
         g.ledger.close()
         raise
-    g._install()
     log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
              str(aud).splitlines()[0])
     return g

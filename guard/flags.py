@@ -60,25 +60,37 @@ class Flags:
             self.t = self.t.to(device=device, dtype=_dtype_for(device))
             self.thresholds = self.thresholds.to(device=device, dtype=self.t.dtype)
 
+    def _accept(self, value: torch.Tensor) -> torch.Tensor:
+        # Flags made on the CPU before model.cuda(): move them to the accelerator rather than
+        # copying values back (a non-blocking copy to the host could be read before it lands).
+        if self.t.device.type == "cpu" and value.device.type != "cpu":
+            self.follow(value.device)
+        return value.to(self.t.device, non_blocking=True)
+
     def add(self, slot: Slot, value: torch.Tensor) -> None:
-        self.t[slot].add_(value.to(self.t.device, non_blocking=True))
+        self.t[slot].add_(self._accept(value))
 
     def add_const(self, slot: Slot, value: float) -> None:
         self.t[slot].add_(value)
 
     def max(self, slot: Slot, value: torch.Tensor) -> None:
+        value = self._accept(value)
         view = self.t[slot]
-        torch.maximum(view, value.to(view.dtype).to(view.device, non_blocking=True), out=view)
+        torch.maximum(view, value.to(view.dtype), out=view)
 
     def set(self, slot: Slot, value: torch.Tensor) -> None:
-        self.t[slot].copy_(value, non_blocking=True)
+        self.t[slot].copy_(self._accept(value))
 
-    def _snapshot(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Enqueue: copy local + all-reduced values, zero the accumulator, start the D2H copy."""
+    def _snapshot(self, reduce: bool = True) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Enqueue: copy local + all-reduced values, zero the accumulator, start the D2H copy.
+
+        `reduce=False` (detach: one rank may detach alone, after an exception) skips the
+        collective; the values then count for this rank only.
+        """
         who = torch.where(self.t > self.thresholds, float(self.rank + 1), 0.0).to(self.t.dtype)
         both = torch.stack([self.t, self.t, who])  # (3, NSLOTS): local, global, who
         self.t.zero_()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # The one collective of the guard: every rank takes the decision on the same values
             # and learns the highest rank that crossed a threshold.
             dist.all_reduce(both[1:], op=dist.ReduceOp.MAX)
@@ -98,9 +110,9 @@ class Flags:
         local, glob, who = host.tolist()  # step boundary: the only host read of the hot path
         return local, glob, who
 
-    def read(self, *, lagged: bool) -> HostFlags | None:
+    def read(self, *, lagged: bool, reduce: bool = True) -> HostFlags | None:
         """Values as of now, or (lagged) as of the previous read so the device never stalls."""
-        entry = self._snapshot()
+        entry = self._snapshot(reduce)
         if not lagged or entry[1] is None:
             older, self._pending = self._pending, None
             if older is not None:  # a lagged read is still queued: fold it in first

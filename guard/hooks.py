@@ -159,7 +159,9 @@ class Probe:
                 self.flags.add(Slot.OOR_INPUT, out_of_range_count(args[0], self.cfg.real, None))
 
     def _forward_start_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if module.training and self.on_forward_start is not None:
+        # A step is a training forward that builds a graph: a no_grad forward in train mode
+        # (sampling, a probe) is not, or ranks would count steps, and collectives, apart.
+        if module.training and torch.is_grad_enabled() and self.on_forward_start is not None:
             self.on_forward_start()
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -243,5 +245,5 @@ class Probe:
         loss = find_loss(output)
         if loss is not None and self.on_loss is not None:
             self.on_loss(loss)
-        if self.on_forward_end is not None:
+        if self.on_forward_end is not None and torch.is_grad_enabled():
             self.on_forward_end()

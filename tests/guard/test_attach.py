@@ -378,3 +378,69 @@ def test_hooks_never_read_a_tensor_to_the_host() -> None:
     # and the guard really would have been caught:
     with pytest.raises(AssertionError, match="host read"), no_host_reads():
         torch.ones(1).item()
+
+
+# -- regressions found in review -------------------------------------------------------------
+
+
+def test_no_grad_training_forwards_are_not_steps() -> None:
+    """Ranks must count steps alike: a sampling forward left in train mode is not a step."""
+    m = tiny_gpt()
+    with guard.attach(m, policy=policy(), vocab_size=100) as g:
+        m(*batch())
+        with torch.no_grad():
+            m(*batch())  # e.g. generating samples on rank 0 only
+        m(*batch())
+        assert g.stats["step"] == 1
+    assert g.stats["step"] == 2
+
+
+def test_a_failed_attach_leaves_nothing_behind() -> None:
+    import threading
+
+    m = tiny_gpt(rows=100)
+    before = hook_count(m)
+    pol = {**policy(), "export": {"serve": "127.0.0.1:0"}}
+    with pytest.raises(GuardViolation):
+        guard.attach(m, policy=pol, vocab_size=100)  # alignment: fail, after the server started
+    assert hook_count(m) == before
+    assert not [t for t in threading.enumerate() if t.name.startswith("guard-metrics")]
+
+    class Wrapper:  # e.g. accelerate's AcceleratedOptimizer
+        def __init__(self, opt: torch.optim.Optimizer) -> None:
+            self.optimizer = opt
+
+    ok = tiny_gpt()
+    wrapped = Wrapper(torch.optim.SGD(ok.parameters(), lr=0.1))
+    with pytest.raises(guard.AttachError, match=r"must be a torch.optim.Optimizer.*Wrapper"):
+        guard.attach(ok, policy=policy(), vocab_size=100, optimizer=wrapped)  # type: ignore[arg-type]
+    assert hook_count(ok) == 0
+    guard.attach(ok, policy=policy(), vocab_size=100).detach()  # and it can attach after
+
+
+def test_the_registry_does_not_keep_models_alive() -> None:
+    import gc
+    import weakref
+
+    m = tiny_gpt()
+    g = guard.attach(m, policy=policy(), vocab_size=100)
+    ref = weakref.ref(m)
+    del m, g
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_models_loss_fed_to_g_step_after_the_update_counts_once() -> None:
+    m = tiny_gpt()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    pol = policy(nonfinite={"action": "skip"})
+    with guard.attach(m, policy=pol, vocab_size=100, optimizer=opt) as g:
+        for i in range(3):
+            out = m(*batch(seed=i))[1]
+            loss = out * float("nan") if i == 0 else out  # NaN at step 1 only
+            loss.backward()
+            g.step(loss)  # before the update: replaces the model's output loss
+            opt.step()
+            g.step(loss)  # after it too, as some loops do: the same tensor, counted once
+            opt.zero_grad()
+    assert g.stats["skipped_steps"] == 1 and g.stats["nonfinite"]["loss"] == 1

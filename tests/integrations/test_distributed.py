@@ -67,9 +67,10 @@ def test_violation_on_rank_1_stops_both_ranks_at_the_same_step(tmp_path: Path) -
         assert (res["raised_at"], res["check"], res["step"], res["violation_rank"]) == \
             (3, "token_range", 3, 1)
         assert res["message"].startswith("token_range on rank 1 at step 3: 1 label ids")
-        # One all-reduce per read (3 steps + the read at detach), none anywhere else.
+        # One all-reduce per step read (3 steps), none anywhere else: the read at detach is
+        # local, since a rank may detach alone (after an exception) and must not hang the rest.
         c = res["counts"]
-        assert c["all_reduce"] == c["read"] == 4 and c["other_collectives"] == 0
+        assert c["read"] == 4 and c["all_reduce"] == 3 and c["other_collectives"] == 0
         # The embedded endpoint on port + LOCAL_RANK, labelled with the run and the rank.
         assert res["metrics_url"] == f"http://127.0.0.1:{serve + i}/metrics"
         steps = [line for line in res["metrics"].splitlines() if line.startswith("guard_step{")]
