@@ -107,6 +107,12 @@ class Guard:
         self._loss_src: torch.Tensor | None = None  # ... and the tensor it came from
         self._loss_given = False  # it came from g.step(loss), not the model's output
         self._folded: weakref.ref[torch.Tensor] | None = None  # the last step's loss
+        # Set by integrations whose model loss is one micro-batch's share of the step's loss
+        # (HF Trainer normalising by the tokens of the whole accumulation window): the step's
+        # loss is then the sum of its micro-batch losses, times `loss_scale` (e.g. world size
+        # when tokens are averaged across devices). Default: the last micro-batch's loss.
+        self.sum_step_losses = False
+        self.loss_scale = 1.0
         self._detached = False
         self.metrics_url: str | None = None  # the embedded endpoint, when it runs
 
@@ -257,10 +263,15 @@ class Guard:
         """
         if loss is self._loss_src or (self._folded is not None and self._folded() is loss):
             return
+        value = loss.detach()
+        if self._loss is not None and self.sum_step_losses and not (given or self._loss_given):
+            # Shares of one step's loss: a non-finite share makes the sum non-finite.
+            self._loss_src, self._loss = loss, self._loss + value
+            return
         # Only g.step(loss) right after the forward replaces (e.g. rescales) its output loss.
         if self._loss is not None and (self._loss_given or not given):
             self.flags.add(Slot.NF_LOSS, nonfinite_count(self._loss))
-        self._loss_src, self._loss, self._loss_given = loss, loss.detach(), given
+        self._loss_src, self._loss, self._loss_given = loss, value, given
 
     def _fold_loss(self) -> None:
         if self._loss is None:
@@ -268,6 +279,8 @@ class Guard:
         if self._loss_src is not None:
             self._folded = weakref.ref(self._loss_src)
         loss, self._loss, self._loss_src, self._loss_given = self._loss, None, None, False
+        if self.loss_scale != 1.0:
+            loss = loss * self.loss_scale
         self.flags.follow(loss.device)
         self.flags.set(Slot.LOSS, loss.to(self.flags.t.dtype))
         self.flags.t[Slot.LOSS_SEEN].fill_(1.0)

@@ -39,7 +39,8 @@ def loss_spike(
     `history` (window,) holds past losses, `accepted` (window,) bool says which slots count.
     """
     count = accepted.sum()
-    ref = torch.nanmedian(torch.where(accepted, history, float("nan")))  # nan when count == 0
+    # The dim= form: without it, older torch reads the NaN count to the host on CUDA.
+    ref = torch.nanmedian(torch.where(accepted, history, float("nan")), dim=0).values  # nan if none
     usable = (count >= warmup) & torch.isfinite(loss) & (ref > 0)
     spike = usable & (loss > factor * ref) & (loss - ref > min_delta)
     # where() also evaluates the division where ref == 0; its inf/nan is discarded.

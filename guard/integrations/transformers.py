@@ -11,6 +11,7 @@ save or push the model with exit status 0; `fail` means stop the job.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -45,10 +46,27 @@ class GuardCallback(GuardedTraining, TrainerCallback):
         if optimizer is None:
             raise AttachError("GuardCallback: the Trainer passed no optimizer to on_train_begin; "
                               "attach with guard.attach(model, optimizer=...) instead")
-        self._attach(model, optimizer=optimizer, processing_class=processing_class)
+        g = self._attach(model, optimizer=optimizer, processing_class=processing_class)
+        if _normalises_by_window(model):
+            # The Trainer passes num_items_in_batch: each micro-batch's .loss is its token sum
+            # over the tokens of the whole accumulation window (of every rank, when averaged
+            # across devices). The step's loss, as the Trainer logs it, is their sum (times
+            # the world size in that case).
+            g.sum_step_losses = True
+            if getattr(args, "average_tokens_across_devices", False) and args.world_size > 1:
+                g.loss_scale = float(args.world_size)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()
+
+
+def _normalises_by_window(model: nn.Module) -> bool:
+    """The Trainer's own test (model_accepts_loss_kwargs) for passing num_items_in_batch."""
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is not None:
+        return bool(accepts)
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class PaddingMaskLogitsProcessor(LogitsProcessor):

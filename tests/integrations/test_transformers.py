@@ -69,10 +69,11 @@ def examples(tok: PreTrainedTokenizerFast, *, ghost: int | None = None) -> list[
 
 
 def trainer(model: nn.Module, tok: Any, data: list[dict[str, Any]], cb: GuardCallback,
-            out: Path, steps: int = 3) -> Trainer:
+            out: Path, steps: int = 3, accumulate: int = 1) -> Trainer:
     args = TrainingArguments(output_dir=str(out), report_to=[], use_cpu=True, max_steps=steps,
                              per_device_train_batch_size=4, save_strategy="no", logging_steps=1,
-                             learning_rate=1e-3, disable_tqdm=True, seed=0)
+                             learning_rate=1e-3, disable_tqdm=True, seed=0,
+                             gradient_accumulation_steps=accumulate)
     return Trainer(model=model, args=args, train_dataset=data, processing_class=tok,
                    callbacks=[cb])
 
@@ -95,6 +96,19 @@ def test_trainer_is_guarded_step_by_step_and_detached_at_the_end(tmp_path: Path)
     assert s["padding_mass"] is not None and s["padding_mass"] > 0.01
     assert s["violations"] == {"padding_mass": {"mask": 3}}
     assert hook_count(model) == 0 and not g.optimizer._optimizer_step_pre_hooks
+
+
+def test_gradient_accumulation_reports_the_trainers_step_loss(tmp_path: Path) -> None:
+    """With num_items_in_batch each micro-batch's .loss is a share of the step's loss: the
+    guard sums the shares, so guard_loss is the loss the Trainer logs, not a quarter of it."""
+    tok = word_tokenizer()
+    model = gpt2(len(tok))
+    cb = GuardCallback(policy=policy())
+    t = trainer(model, tok, examples(tok), cb, tmp_path, steps=2, accumulate=4)
+    t.train()
+    assert cb.guard is not None and cb.guard.sum_step_losses
+    logged = [e["loss"] for e in t.state.log_history if "loss" in e]
+    assert cb.guard.stats["loss"] == pytest.approx(logged[-1], rel=1e-3)
 
 
 def test_fail_stops_train_before_the_update_with_the_guards_message(tmp_path: Path) -> None:
