@@ -52,6 +52,13 @@ def real_vocab(vocab_size: int | None, tokenizer: Any, policy: Policy, rows: int
 
 def check_skip(policy: Policy, optimizer: torch.optim.Optimizer | None) -> None:
     """`skip` drops an optimizer step from the optimizer's step pre-hook, so it needs one."""
+    every = policy.cadence.read_every
+    failing = [c for c in ("padding_mass", "nonfinite", "token_range", "loss_spike")
+               if policy.action(c) == "fail"]
+    if failing and every > 1:
+        log.warning("guard: with cadence.read_every %d, fail (%s) is decided at the reads only: "
+                    "up to %d updates can be applied after a bad step. Use read_every: 1 "
+                    "where fail must stop the first one.", every, ", ".join(failing), every - 1)
     skipping = [c for c in ("nonfinite", "loss_spike") if policy.action(c) == "skip"]
     if not skipping:
         return
