@@ -20,10 +20,10 @@ __all__ = [
 ]
 
 # Elements per chunk of (positions, rows) work. On the CPU a fresh temporary of a few hundred
-# MB costs more in page faults than the arithmetic; 4M elements (16 MB in float32) stay in the
+# MB costs more in page faults than the arithmetic; 2M elements (8 MB in float32) stay in the
 # allocator's reused heap. On CUDA the caching allocator has no such cost, so chunks only
 # bound memory in exact (all-token) mode: 1024 x rows.
-CPU_CHUNK_ELEMENTS = 1 << 22
+CPU_CHUNK_ELEMENTS = 1 << 21
 CUDA_CHUNK_ROWS = 1024
 
 
@@ -52,9 +52,17 @@ def padding_mass_parts(logits: torch.Tensor, vocab_real: int) -> tuple[torch.Ten
     """
     # Half precision loses the small masses we alert on (1e-6); float64 input stays float64.
     x = logits if logits.dtype == torch.float64 else logits.float()
-    lse_real = torch.logsumexp(x[..., :vocab_real], dim=-1)
-    lse_pad = torch.logsumexp(x[..., vocab_real:], dim=-1)
+    lse_real = _logsumexp(x[..., :vocab_real])
+    lse_pad = _logsumexp(x[..., vocab_real:])
     return torch.sigmoid(lse_pad - lse_real).to(torch.float32), lse_real
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, as torch.logsumexp (+inf, all -inf and NaN rows alike) in
+    one temporary with an in-place exp: a third faster on the CPU, where this is the cost."""
+    m = x.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # +-inf / NaN rows: shift by 0
+    return m.squeeze(-1) + (x - m).exp_().sum(dim=-1).log()
 
 
 def padding_mass(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:

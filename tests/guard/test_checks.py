@@ -138,3 +138,14 @@ def test_masked_logits_backward_from_an_expanded_gradient() -> None:
     logits = masked_logits(torch.randn(3, 4) @ w.T, 7)
     logits[:, :7].sum().backward()  # the gradient reaching the mask is an expand of ones
     assert w.grad is not None and torch.count_nonzero(w.grad[7:]) == 0
+
+
+def test_logsumexp_matches_torch_on_edge_rows() -> None:
+    from guard.checks import _logsumexp
+
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[0.0, 1.0, 2.0], [1e30, -1e30, 0.0], [-inf, -inf, -inf],
+                      [inf, 1.0, 0.0], [nan, 1.0, 0.0], [-inf, 3.0, -inf]])
+    assert torch.allclose(_logsumexp(x), torch.logsumexp(x, dim=-1), equal_nan=True)
+    y = torch.randn(7, 300) * 50
+    assert torch.allclose(_logsumexp(y), torch.logsumexp(y, dim=-1))
