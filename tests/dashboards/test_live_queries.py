@@ -11,19 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from guard_server.testing import Prometheus, prometheus_binary, run_prometheus
 from tests.dashboards.conftest import Run
 from tests.dashboards.exposition import FIRING, RUN, fault_exposition, serve_exposition
+from tests.dashboards.live import loaded_alerts, offered_variables
 from tests.dashboards.queries import (
     ALERT_RULES,
     ALL,
     PanelQuery,
     alert_rules,
     dashboard_queries,
-    variable_queries,
 )
 
 pytestmark = pytest.mark.prometheus
@@ -67,23 +66,11 @@ def test_panel_query_returns_series(prom: Prometheus, selection: str, query: Pan
 
 
 def test_variables_offer_the_run_and_its_ranks(prom: Prometheus) -> None:
-    offered = {}
-    for var in variable_queries(run_id=RUN):
-        reply = httpx.get(
-            f"{prom.url}/api/v1/label/{var.label}/values",
-            params={"match[]": var.selector},
-            timeout=5.0,
-        )
-        reply.raise_for_status()
-        offered[var.name] = set(reply.json()["data"])
-    assert offered == {"run_id": {RUN}, "rank": {"0", "1"}}
+    assert offered_variables(prom, RUN) == {"run_id": {RUN}, "rank": {"0", "1"}}
 
 
 def test_prometheus_loaded_every_rule(prom: Prometheus) -> None:
-    reply = httpx.get(f"{prom.url}/api/v1/rules", timeout=5.0)
-    reply.raise_for_status()
-    loaded = {r["name"] for g in reply.json()["data"]["groups"] for r in g["rules"]}
-    assert loaded == {rule["alert"] for rule in alert_rules()}
+    assert loaded_alerts(prom) == {rule["alert"] for rule in alert_rules()}
 
 
 @pytest.mark.parametrize("rule", alert_rules(), ids=lambda rule: rule["alert"])

@@ -33,7 +33,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
@@ -43,13 +42,13 @@ from guard.sinks.push import PushSink
 from guard_server import EmbeddedServer, Settings
 from guard_server.testing import Prometheus, prometheus_binary, run_prometheus
 from tests.conftest import batch, policy, tiny_gpt
+from tests.dashboards.live import loaded_alerts, offered_variables
 from tests.dashboards.queries import (
     ALERT_RULES,
     ALL,
     PanelQuery,
     alert_rules,
     dashboard_queries,
-    variable_queries,
 )
 
 pytestmark = pytest.mark.prometheus
@@ -271,23 +270,11 @@ def test_panels_show_the_faults(live: Live) -> None:
 
 
 def test_variables_offer_the_run_and_its_ranks(live: Live) -> None:
-    offered = {}
-    for var in variable_queries(run_id=RUN):
-        reply = httpx.get(
-            f"{live.prom.url}/api/v1/label/{var.label}/values",
-            params={"match[]": var.selector},
-            timeout=5.0,
-        )
-        reply.raise_for_status()
-        offered[var.name] = set(reply.json()["data"])
-    assert offered == {"run_id": {RUN}, "rank": {"0", "1", "2"}}
+    assert offered_variables(live.prom, RUN) == {"run_id": {RUN}, "rank": {"0", "1", "2"}}
 
 
 def test_prometheus_loaded_every_rule(live: Live) -> None:
-    reply = httpx.get(f"{live.prom.url}/api/v1/rules", timeout=5.0)
-    reply.raise_for_status()
-    loaded = {r["name"] for g in reply.json()["data"]["groups"] for r in g["rules"]}
-    assert loaded == {rule["alert"] for rule in alert_rules()}
+    assert loaded_alerts(live.prom) == {rule["alert"] for rule in alert_rules()}
 
 
 @pytest.mark.parametrize("rule", alert_rules(), ids=lambda rule: rule["alert"])
