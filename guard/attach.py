@@ -13,12 +13,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from guard.checks import nonfinite_count
 from guard.decide import attach_violations, evaluate, thresholds
 from guard.discovery import Heads, discover, unwrap_compiled
 from guard.episodes import Episodes
 from guard.errors import AttachError, GuardViolation
-from guard.flags import Flags, HostFlags, Slot
+from guard.flags import Flags, HostFlags
 from guard.hooks import Probe, ProbeConfig
 from guard.ledger import Ledger
 from guard.policy import CHECKS, Policy, coerce_policy, default_run_id
@@ -27,6 +26,7 @@ from guard.sinks import Sink
 from guard.sinks.push import PushSink
 from guard.sinks.serve import start_embedded
 from guard.spike import SpikeTracker
+from guard.steploss import StepLoss
 from guard.vocab import Audit, audit_sizes, shard_sizes
 
 __all__ = ["Guard", "attach", "audit"]
@@ -103,16 +103,8 @@ class Guard:
         self._read_step = 0  # step whose values a lagged read returns next
         self._explicit = False
         self._forward_pending = False  # forward mode: a forward ended, its boundary not yet run
-        self._loss: torch.Tensor | None = None  # this step's loss, detached
-        self._loss_src: torch.Tensor | None = None  # ... and the tensor it came from
-        self._loss_given = False  # it came from g.step(loss), not the model's output
-        self._folded: weakref.ref[torch.Tensor] | None = None  # the last step's loss
-        # Set by integrations whose model loss is one micro-batch's share of the step's loss
-        # (HF Trainer normalising by the tokens of the whole accumulation window): the step's
-        # loss is then the sum of its micro-batch losses, times `loss_scale` (e.g. world size
-        # when tokens are averaged across devices). Default: the last micro-batch's loss.
-        self.sum_step_losses = False
-        self.loss_scale = 1.0
+        self.step_loss = StepLoss(self.flags, count_nonfinite=self.cfg.nonfinite,
+                                  spike=self.spike)
         self._detached = False
         self.metrics_url: str | None = None  # the embedded endpoint, when it runs
 
@@ -157,7 +149,7 @@ class Guard:
         if loss is not None:
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(f"g.step(loss): expected a tensor, got {type(loss).__name__}")
-            self._record_loss(loss, given=True)
+            self.step_loss.record(loss, given=True)
         if self.optimizer is None:
             self.manual_steps()
             self._boundary()
@@ -186,7 +178,7 @@ class Guard:
             if self._forward_pending:
                 self._forward_pending = False
                 self._step += 1
-            self._fold_loss()
+            self.step_loss.fold()
             pending = self.flags.flush()
             if pending is not None:
                 self._apply(pending, self._read_step, raise_fail=False, emit=False)
@@ -215,7 +207,7 @@ class Guard:
     # -- wiring ------------------------------------------------------------------------------
 
     def _install(self) -> None:
-        self.probe.on_loss = self._record_loss
+        self.probe.on_loss = self.step_loss.record
         if self.optimizer is None and not self._explicit:
             self.probe.on_forward_start = self._forward_start
         self.probe.on_forward_end = self._forward_end
@@ -254,44 +246,6 @@ class Guard:
         if self.episodes is not None:
             self.episodes.keep(args, kwargs, self.flags.device.type)
 
-    def _record_loss(self, loss: torch.Tensor, *, given: bool = False) -> None:
-        """This step's loss: the model's output, replaced by g.step(loss) when that is called.
-
-        A second output loss in one step is a gradient-accumulation micro-batch: the earlier one
-        is counted for nonfinite. The same tensor seen twice (the model's loss fed to g.step,
-        before or after optimizer.step()) counts once.
-        """
-        if loss is self._loss_src or (self._folded is not None and self._folded() is loss):
-            return
-        value = loss.detach()
-        if self._loss is not None and self.sum_step_losses and not (given or self._loss_given):
-            # Shares of one step's loss: a non-finite share makes the sum non-finite.
-            self._loss_src, self._loss = loss, self._loss + value
-            return
-        # Only g.step(loss) right after the forward replaces (e.g. rescales) its output loss.
-        if self._loss is not None and (self._loss_given or not given):
-            self.flags.add(Slot.NF_LOSS, nonfinite_count(self._loss))
-        self._loss_src, self._loss, self._loss_given = loss, value, given
-
-    def _fold_loss(self) -> None:
-        if self._loss is None:
-            return
-        if self._loss_src is not None:
-            self._folded = weakref.ref(self._loss_src)
-        loss, self._loss, self._loss_src, self._loss_given = self._loss, None, None, False
-        if self.loss_scale != 1.0:
-            loss = loss * self.loss_scale
-        self.flags.follow(loss.device)
-        self.flags.set(Slot.LOSS, loss.to(self.flags.t.dtype))
-        self.flags.t[Slot.LOSS_SEEN].fill_(1.0)
-        if self.cfg.nonfinite:
-            self.flags.add(Slot.NF_LOSS, nonfinite_count(loss))
-        if self.spike is not None:
-            self.spike.follow(self.flags.device, self.flags.t.dtype)
-            spike, ratio = self.spike.update(loss)
-            self.flags.max(Slot.SPIKE, spike)
-            self.flags.max(Slot.SPIKE_RATIO, ratio)
-
     def _boundary(self, *, raise_fail: bool = True, in_step: bool = False,
                   closure: bool = False) -> bool:
         """Fold the loss, read the flags when due, act; True when the step is to be skipped.
@@ -300,7 +254,7 @@ class Guard:
         """
         self._step += 1
         self.probe.step = self._step
-        self._fold_loss()
+        self.step_loss.fold()
         if self._step % self.policy.cadence.read_every:
             return False
         # On the CPU a copy to the host is the read itself: nothing to gain from lagging.

@@ -52,9 +52,9 @@ class GuardCallback(GuardedTraining, TrainerCallback):
             # over the tokens of the whole accumulation window (of every rank, when averaged
             # across devices). The step's loss, as the Trainer logs it, is their sum (times
             # the world size in that case).
-            g.sum_step_losses = True
+            g.step_loss.sum_shares = True
             if getattr(args, "average_tokens_across_devices", False) and args.world_size > 1:
-                g.loss_scale = float(args.world_size)
+                g.step_loss.scale = float(args.world_size)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()

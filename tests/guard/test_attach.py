@@ -372,7 +372,7 @@ def test_hooks_never_read_a_tensor_to_the_host() -> None:
             for _ in range(2):
                 _, loss = m(x, y)
                 loss.backward()
-                g._record_loss(loss)
+                g.step_loss.record(loss)
         g.step()
         assert g.stats["out_of_range"]["input"] == 2 and g.stats["padding_mass"] > 0
     # and the guard really would have been caught:

@@ -205,8 +205,8 @@ def test_folding_the_loss_reads_nothing_to_the_host() -> None:
         g.step(torch.tensor(2.0))
         with no_host_reads():
             for x in [2.0] * 12 + [50.0]:
-                g._record_loss(torch.tensor(x))
-                g._fold_loss()
+                g.step_loss.record(torch.tensor(x))
+                g.step_loss.fold()
         g.step()
         assert g.stats["violations"] == {"loss_spike": {"warn": 1}}
 
