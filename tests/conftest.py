@@ -45,6 +45,11 @@ def batch(
     return x, y
 
 
+def hook_count(model: torch.nn.Module) -> int:
+    """Forward hooks and pre-hooks on every module of `model`: 0 again after detach."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
 @pytest.fixture
 def gpt() -> GPT:
     return tiny_gpt()

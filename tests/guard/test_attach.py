@@ -13,7 +13,7 @@ import guard
 from guard import GuardViolation
 from guard.flags import Slot
 from guard.sinks import MemorySink
-from tests.conftest import batch, policy, tiny_gpt
+from tests.conftest import batch, hook_count, policy, tiny_gpt
 from tests.guard.test_discovery import hf_gpt2
 
 STATS_KEYS = {"step", "loss", "padding_mass", "padding_mass_max", "nonfinite", "out_of_range",
@@ -39,10 +39,6 @@ def train(model: nn.Module, steps: int, *, g: guard.Guard | None = None,
         opt.zero_grad()
         losses.append(loss.detach())
     return losses
-
-
-def hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 # -- attach-time checks ----------------------------------------------------------------------

@@ -16,8 +16,8 @@ import guard
 from guard import GuardViolation
 from guard.localise import Localiser, any_nonfinite, capture
 from guard.sinks import MemorySink
-from tests.conftest import batch, policy, tiny_gpt
-from tests.guard.test_attach import hook_count, no_host_reads
+from tests.conftest import batch, hook_count, policy, tiny_gpt
+from tests.guard.test_attach import no_host_reads
 
 NAN = float("nan")
 # vocab_size=128 = tiny_gpt's rows: no padding columns, only nonfinite fires.

@@ -5,14 +5,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
 
 from guard import GuardViolation  # noqa: E402
 from guard.integrations.lightning import GuardCallback, guarded_module  # noqa: E402
-from tests.conftest import batch, policy, tiny_gpt  # noqa: E402
+from tests.conftest import batch, hook_count, policy, tiny_gpt  # noqa: E402
 
 # pytest turns warnings into errors; these two come from Lightning itself, not the guard:
 # a DataLoader without worker processes may be a bottleneck (true for real data, irrelevant
@@ -63,10 +62,6 @@ def fit(module: pl.LightningModule, cb: GuardCallback, steps: int, data: DataLoa
                    enable_progress_bar=False, enable_model_summary=False, callbacks=[cb], **kw)
     t.fit(module, data)
     return t
-
-
-def hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 def test_fit_is_guarded_per_optimizer_step_and_detached() -> None:

@@ -21,7 +21,7 @@ from transformers import (
 import guard
 from guard import AttachError, GuardViolation
 from guard.integrations.transformers import GuardCallback, PaddingMaskLogitsProcessor
-from tests.conftest import policy
+from tests.conftest import hook_count, policy
 
 SENTENCES = [
     "the guard reads the flags once per step",
@@ -76,10 +76,6 @@ def trainer(model: nn.Module, tok: Any, data: list[dict[str, Any]], cb: GuardCal
                              gradient_accumulation_steps=accumulate)
     return Trainer(model=model, args=args, train_dataset=data, processing_class=tok,
                    callbacks=[cb])
-
-
-def hook_count(model: nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 def test_trainer_is_guarded_step_by_step_and_detached_at_the_end(tmp_path: Path) -> None:
