@@ -20,7 +20,7 @@ from guard.errors import AttachError, GuardViolation
 from guard.flags import Flags, HostFlags
 from guard.hooks import Probe, ProbeConfig
 from guard.ledger import Ledger
-from guard.policy import CHECKS, Policy, coerce_policy, default_run_id
+from guard.policy import CHECKS, STEP_CHECKS, Policy, coerce_policy, default_run_id
 from guard.resolve import check_skip, rank_of_process, real_vocab
 from guard.sinks import Sink
 from guard.sinks.push import PushSink
@@ -41,8 +41,6 @@ _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Guard]] = weakref.We
 def _attached(model: nn.Module) -> Guard | None:
     ref = _ATTACHED.get(model)
     return None if ref is None else ref()
-
-_STEP_CHECKS = ("padding_mass", "nonfinite", "token_range", "loss_spike")
 
 
 class Guard:
@@ -92,7 +90,7 @@ class Guard:
         localise = c.nonfinite.action != "off" and c.nonfinite.localise
         self.episodes = Episodes(model) if localise else None
         # Only warn/mask/off: the host may read one step late and never stall the device.
-        self.lagged = all(policy.action(ch) in ("warn", "mask", "off") for ch in _STEP_CHECKS)
+        self.lagged = all(policy.action(ch) in ("warn", "mask", "off") for ch in STEP_CHECKS)
         self.ledger = Ledger(
             {"real": audit.real, "rows": audit.rows, "aligned": audit.aligned},
             # Reported as 0 until they fire, so counter series exist from the first scrape.

@@ -23,9 +23,11 @@ from pydantic import (
 
 from guard.errors import PolicyError
 
-__all__ = ["CHECKS", "Policy", "coerce_policy", "default_run_id", "load_policy"]
+__all__ = ["CHECKS", "STEP_CHECKS", "Policy", "coerce_policy", "default_run_id", "load_policy"]
 
 CHECKS = ("alignment", "vocab", "padding_mass", "nonfinite", "token_range", "loss_spike")
+# The checks run every step (the others run once, at attach).
+STEP_CHECKS = CHECKS[2:]
 
 
 class _Strict(BaseModel):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from guard.errors import AttachError
-from guard.policy import Policy
+from guard.policy import STEP_CHECKS, Policy
 
 __all__ = ["check_skip", "rank_of_process", "real_vocab"]
 
@@ -51,10 +51,10 @@ def real_vocab(vocab_size: int | None, tokenizer: Any, policy: Policy, rows: int
 
 
 def check_skip(policy: Policy, optimizer: torch.optim.Optimizer | None) -> None:
-    """`skip` drops an optimizer step from the optimizer's step pre-hook, so it needs one."""
+    """`skip` drops an optimizer step from the optimizer's step pre-hook, so it needs one;
+    with reads every N steps, `fail` and `skip` act at the reads only (a warning)."""
     every = policy.cadence.read_every
-    failing = [c for c in ("padding_mass", "nonfinite", "token_range", "loss_spike")
-               if policy.action(c) == "fail"]
+    failing = [c for c in STEP_CHECKS if policy.action(c) == "fail"]
     if failing and every > 1:
         log.warning("guard: with cadence.read_every %d, fail (%s) is decided at the reads only: "
                     "up to %d updates can be applied after a bad step. Use read_every: 1 "
