@@ -6,13 +6,15 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 __all__ = ["main"]
 
 Command = Callable[[argparse.Namespace], int]
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
-def _demo(sub: argparse._SubParsersAction) -> None:
+def _demo(sub: Subparsers) -> None:
     p = sub.add_parser("demo", help="reproduce the ghost-class collapse and stop it",
                        description="Train a small GPT three times from one seed: unguarded "
                        "(collapses), guarded with fail (stops), guarded with mask (trains).")
@@ -48,7 +50,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _serve(sub: argparse._SubParsersAction) -> None:
+def _serve(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="run the guard server (POST /v1/reports, GET /metrics)")
     p.add_argument("--host", default=None, help="default GUARD_SERVER_HOST or 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default GUARD_SERVER_PORT or 9400")
@@ -71,7 +73,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _audit(sub: argparse._SubParsersAction) -> None:
+def _audit(sub: Subparsers) -> None:
     p = sub.add_parser("audit", help="audit the vocab sizes of a Hugging Face model directory",
                        description="Read config.json, the tokenizer files and the safetensors "
                        "headers (no weights loaded) and check the three vocab sizes, tying and "
@@ -90,8 +92,8 @@ def _audit(sub: argparse._SubParsersAction) -> None:
 def _run_audit(args: argparse.Namespace) -> int:
     import json
 
-    from guard.checkpoint import audit_checkpoint
     from guard.errors import CheckpointError
+    from guard.vocab.checkpoint import audit_checkpoint
 
     for flag, n in (("--tensor-parallel", args.tensor_parallel),
                     ("--pad-multiple", args.pad_multiple), ("--vocab-size", args.vocab_size)):
@@ -112,7 +114,7 @@ def _run_audit(args: argparse.Namespace) -> int:
 
 
 # Each entry adds one subcommand.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_demo, _serve, _audit]
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_demo, _serve, _audit]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

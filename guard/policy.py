@@ -8,6 +8,7 @@ import re
 import socket
 import time
 import tomllib
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,12 +23,33 @@ from pydantic import (
 )
 
 from guard.errors import PolicyError
+from guard_server.wire import CHECKS, RUN_ID_PATTERN, RunId
 
-__all__ = ["CHECKS", "STEP_CHECKS", "Policy", "coerce_policy", "default_run_id", "load_policy"]
+__all__ = [
+    "ATTACH_CHECKS",
+    "CHECKS",
+    "STEP_CHECKS",
+    "Action",
+    "Policy",
+    "coerce_policy",
+    "default_run_id",
+    "load_policy",
+]
 
-CHECKS = ("alignment", "vocab", "padding_mass", "nonfinite", "token_range", "loss_spike")
-# The checks run every step (the others run once, at attach).
-STEP_CHECKS = CHECKS[2:]
+# The check names are the wire's (guard_server/wire.py); these run once, at attach, the
+# others every step.
+ATTACH_CHECKS = ("alignment", "vocab")
+STEP_CHECKS = tuple(c for c in CHECKS if c not in ATTACH_CHECKS)
+
+
+class Action(StrEnum):
+    """What a check does when it fires (DESIGN.md); equal to its policy-file string."""
+
+    FAIL = "fail"
+    MASK = "mask"
+    SKIP = "skip"
+    WARN = "warn"
+    OFF = "off"
 
 
 class _Strict(BaseModel):
@@ -49,7 +71,7 @@ class PaddingMassCheck(_Strict):
 
 class NonfiniteCheck(_Strict):
     action: Literal["fail", "skip", "warn", "off"] = "fail"
-    # Name the first module whose output went non-finite (guard/localise.py): one no-grad
+    # Name the first module whose output went non-finite (guard/step/localise.py): one no-grad
     # re-run of the failing forward, or per-module flags armed for the next step. Costs
     # nothing until nonfinite fires; off for models whose forward must not run twice.
     localise: bool = True
@@ -136,26 +158,42 @@ class Export(_Strict):
         return host.strip("[]"), int(port) + local_rank if int(port) else 0
 
 
-_RUN_ID = r"^[A-Za-z0-9_.:\-]{1,128}$"
-
-
 class Policy(_Strict):
     """What each check does; see DESIGN.md, 'Policy file'."""
 
-    run_id: str | None = Field(None, pattern=_RUN_ID)
+    run_id: RunId | None = None
     vocab: VocabSection = VocabSection()
     checks: Checks = Checks()
     cadence: Cadence = Cadence()
     export: Export = Export()
 
-    def action(self, check: str) -> str:
-        return str(getattr(self.checks, check).action)
+    def action(self, check: str) -> Action:
+        return Action(getattr(self.checks, check).action)
+
+    def enabled(self, check: str) -> bool:
+        """The check is computed (its action is not `off`)."""
+        return self.action(check) is not Action.OFF
+
+    @property
+    def masks(self) -> bool:
+        """The padding columns of the head's output are set to -inf."""
+        return self.action("padding_mass") is Action.MASK
+
+    @property
+    def host_may_lag(self) -> bool:
+        """No per-step check stops or drops a step (warn, mask, off only): the host may read
+        the flags one step late and never stall the device."""
+        return all(self.action(c) in (Action.WARN, Action.MASK, Action.OFF) for c in STEP_CHECKS)
+
+    def acting(self, action: Action, checks: tuple[str, ...] = STEP_CHECKS) -> list[str]:
+        """The checks among `checks` whose action is `action`."""
+        return [c for c in checks if self.action(c) is action]
 
 
 def default_run_id() -> str:
     """TORCHELASTIC_RUN_ID under torchrun, else host-pid-time."""
     rid = os.environ.get("TORCHELASTIC_RUN_ID")
-    if rid and re.match(_RUN_ID, rid):
+    if rid and re.match(RUN_ID_PATTERN, rid):
         return rid
     host = re.sub(r"[^A-Za-z0-9_.\-]", "-", socket.gethostname())[:64] or "host"
     return f"{host}-{os.getpid()}-{int(time.time())}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -48,6 +50,24 @@ def batch(
 def hook_count(model: torch.nn.Module) -> int:
     """Forward hooks and pre-hooks on every module of `model`: 0 again after detach."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Every way a tensor reaches the host raises while this is active."""
+    names = ["item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("host read inside the hot path")
+
+    for n in names:
+        setattr(torch.Tensor, n, boom)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
 
 
 @pytest.fixture

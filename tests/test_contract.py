@@ -6,11 +6,11 @@ import torch
 
 import guard
 from guard.sinks import MemorySink
-from guard_server.schema import ReportBatch, StepReport
+from guard_server.wire import ReportBatch, StepReport
 from tests.conftest import batch, policy, tiny_gpt
 
 
-def guarded_run_reports() -> dict[str, object]:
+def guarded_run_reports() -> ReportBatch:
     """Reports of a short run that hits every per-step check and an attach-time warning."""
     m = tiny_gpt(rows=100, garbage=None)  # unaligned: alignment warns at attach
     pol = policy(alignment={"action": "warn"}, padding_mass={"action": "warn"},
@@ -31,8 +31,8 @@ def guarded_run_reports() -> dict[str, object]:
 
 
 def test_guard_reports_validate_against_the_server_schema() -> None:
-    body = guarded_run_reports()
-    parsed = ReportBatch.model_validate(body)
+    body = guarded_run_reports().model_dump_json()
+    parsed = ReportBatch.model_validate_json(body)  # as the server parses a push
     assert [r.step for r in parsed.reports] == [1, 2, 3, 4, 4]
     last = parsed.reports[-1]
     assert last.final and last.out_of_range.label == 2 and last.nonfinite.loss == 1
@@ -43,6 +43,15 @@ def test_guard_reports_validate_against_the_server_schema() -> None:
     assert parsed.reports[0].violations["alignment"]["warn"] == 1
 
 
-def test_report_keys_are_exactly_the_schema_fields() -> None:
-    report = guarded_run_reports()["reports"][0]  # type: ignore[index]
+def test_report_keys_are_exactly_the_wire_fields() -> None:
+    report = guarded_run_reports().reports[0].model_dump(mode="json")
     assert set(report) == set(StepReport.model_fields)
+
+
+def test_the_policy_checks_and_actions_are_the_wires() -> None:
+    from guard.policy import CHECKS, Action, Checks
+    from guard_server.wire import ACTIONS
+    from guard_server.wire import CHECKS as WIRE_CHECKS
+
+    assert CHECKS == WIRE_CHECKS == tuple(Checks.model_fields)
+    assert set(ACTIONS) == {a.value for a in Action} - {"off"}  # off never reaches the wire

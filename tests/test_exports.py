@@ -28,11 +28,40 @@ def test_error_tree() -> None:
     assert guard.errors.__all__ == sorted(guard.errors.__all__)
 
 
-def test_library_import_needs_no_fastapi() -> None:
-    code = ("import sys, guard, torch\n"
-            "m = guard.demo.model if hasattr(guard, 'demo') else None\n"
-            "bad = [n for n in ('fastapi', 'uvicorn', 'starlette', 'guard_server', "
-            "'prometheus_client') if n in sys.modules]\n"
-            "print(','.join(bad))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+def imported_after(code: str) -> set[str]:
+    """Top-level packages of interest in sys.modules after running `code` in a fresh process."""
+    watch = ("torch", "fastapi", "uvicorn", "starlette", "prometheus_client", "guard_server",
+             "guard_server.app", "guard_server.wire")
+    run = f"import sys\n{code}\nprint(','.join(n for n in {watch!r} if n in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, check=True)
+    return set(filter(None, out.stdout.strip().split(",")))
+
+
+def test_a_guarded_step_needs_no_fastapi() -> None:
+    # The whole library, attached and stepping (serve off): the wire's models, nothing of the
+    # server's web stack.
+    code = ("import torch, guard\n"
+            "from tests.conftest import tiny_gpt, batch, policy\n"
+            "m = tiny_gpt()\n"
+            "with guard.attach(m, policy=policy(), vocab_size=100) as g:\n"
+            "    g.step(m(*batch())[1])\n")
+    assert imported_after(code) == {"torch", "guard_server", "guard_server.wire"}
+
+
+def test_import_guard_loads_no_torch() -> None:
+    assert imported_after("import guard") == set()
+
+
+def test_guard_serve_and_audit_start_without_torch() -> None:
+    serve = ("import guard.cli, guard_server\n"
+             "guard_server.create_app(guard_server.Settings())\n")
+    assert "torch" not in imported_after(serve)
+    assert "guard_server.app" in imported_after(serve)
+    assert imported_after("import guard.cli, guard.vocab.checkpoint") == set()
+
+
+def test_guard_lazy_names_are_the_real_objects() -> None:
+    import guard.guard
+    import guard.policy
+
+    assert guard.attach is guard.guard.attach and guard.Policy is guard.policy.Policy

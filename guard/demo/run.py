@@ -155,7 +155,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 g = guard.attach(model, policy=_policy(arm.name, args), vocab_size=REAL,
                                  optimizer=opt)
                 if server is not None:
-                    from guard.sinks.serve import EmbeddedSink
+                    from guard.sinks.embedded import EmbeddedSink
 
                     g.add_sink(EmbeddedSink(server=server))
             try:

@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from guard.attach import Guard, attach
+from guard.device.loss import LossShares
 from guard.errors import AttachError
+from guard.guard import Guard, attach
 from guard.policy import Policy, coerce_policy
+from guard.step.clock import Steps
 
 __all__ = ["GuardedTraining", "torch_optimizer"]
 
@@ -63,8 +65,9 @@ class GuardedTraining:
         self.embedding, self.lm_head = embedding, lm_head
         self.guard: Guard | None = None  # the last one attached; its stats stay readable
 
-    def _attach(self, model: nn.Module, *, optimizer: Any = None,
-                processing_class: Any = None) -> Guard:
+    def _attach(self, model: nn.Module, *, optimizer: Any = None, processing_class: Any = None,
+                steps: Steps = "auto", loss_shares: LossShares = "last",
+                loss_scale: float = 1.0) -> Guard:
         """Attach to `model`; the trainer's tokenizer gives the real vocab unless one was given."""
         self._detach()  # a run that raised leaves its guard attached until the next one
         tokenizer = self.tokenizer
@@ -76,7 +79,8 @@ class GuardedTraining:
         self.guard = attach(model, policy=self.policy, vocab_size=self.vocab_size,
                             tokenizer=tokenizer, optimizer=torch_optimizer(optimizer),
                             embedding=self.embedding, lm_head=self.lm_head,
-                            vocab_shard=self.vocab_shard)
+                            vocab_shard=self.vocab_shard, steps=steps,
+                            loss_shares=loss_shares, loss_scale=loss_scale)
         return self.guard
 
     def _detach(self) -> None:

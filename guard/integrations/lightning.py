@@ -16,11 +16,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from guard.discovery import discover
-from guard.hooks import find_loss
 from guard.integrations.common import GuardedTraining, torch_optimizer
+from guard.vocab.discover import discover
 
 __all__ = ["GuardCallback", "guarded_module"]
 
@@ -50,21 +48,16 @@ class GuardCallback(GuardedTraining, pl.Callback):
     """
 
     # Per fit, set in on_fit_start (the constructor is GuardedTraining's).
-    _hook: RemovableHandle | None = None
     _optimizer: torch.optim.Optimizer | None = None
     _loss: torch.Tensor | None = None
-    _model_loss = False  # the model's forward returned a loss this step
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = guarded_module(pl_module, self.embedding, self.lm_head)
         tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
-        self._attach(target, processing_class=tokenizer).manual_steps()
-        self._hook = target.register_forward_hook(self._saw_loss)
+        # Lightning runs forward and backward inside optimizer.step(closure): only this
+        # callback knows where a step ends.
+        self._attach(target, processing_class=tokenizer, steps="manual")
         self._optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
-
-    def _saw_loss(self, module: nn.Module, args: Any, output: Any) -> None:
-        if module.training and find_loss(output) is not None:
-            self._model_loss = True
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
@@ -74,9 +67,10 @@ class GuardCallback(GuardedTraining, pl.Callback):
                                  optimizer: Any) -> None:
         if self.guard is None or torch_optimizer(optimizer) is not self._optimizer:
             return  # one step per batch: the first optimizer's (GANs step several)
-        loss = None if self._model_loss else self._loss
-        self._loss, self._model_loss = None, False
-        self.guard.step(loss)  # raises GuardViolation on `fail`, before the update
+        loss, self._loss = self._loss, None
+        # The model's own loss when its forward returned one; else the one Lightning
+        # backpropagates. Raises GuardViolation on `fail`, before the update.
+        self.guard.step(loss, fallback=True)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
@@ -86,8 +80,5 @@ class GuardCallback(GuardedTraining, pl.Callback):
         self._detach()
 
     def _detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         super()._detach()
-        self._loss, self._model_loss = None, False
+        self._loss = None

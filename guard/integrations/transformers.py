@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor, TrainerCallback
 
-from guard.checks import mask_padding_
+from guard.device.checks import mask_padding_
 from guard.errors import AttachError
 from guard.integrations.common import GuardedTraining
 
@@ -46,15 +46,15 @@ class GuardCallback(GuardedTraining, TrainerCallback):
         if optimizer is None:
             raise AttachError("GuardCallback: the Trainer passed no optimizer to on_train_begin; "
                               "attach with guard.attach(model, optimizer=...) instead")
-        g = self._attach(model, optimizer=optimizer, processing_class=processing_class)
-        if _normalises_by_window(model):
-            # The Trainer passes num_items_in_batch: each micro-batch's .loss is its token sum
-            # over the tokens of the whole accumulation window (of every rank, when averaged
-            # across devices). The step's loss, as the Trainer logs it, is their sum (times
-            # the world size in that case).
-            g.step_loss.sum_shares = True
-            if getattr(args, "average_tokens_across_devices", False) and args.world_size > 1:
-                g.step_loss.scale = float(args.world_size)
+        # With num_items_in_batch the Trainer makes each micro-batch's .loss its token sum over
+        # the tokens of the whole accumulation window (of every rank, when averaged across
+        # devices): the step's loss, as the Trainer logs it, is their sum (times the world size
+        # in that case).
+        sums = _normalises_by_window(model)
+        scale = (float(args.world_size) if sums and args.world_size > 1
+                 and getattr(args, "average_tokens_across_devices", False) else 1.0)
+        self._attach(model, optimizer=optimizer, processing_class=processing_class,
+                     loss_shares="sum" if sums else "last", loss_scale=scale)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()

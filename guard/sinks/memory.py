@@ -3,31 +3,35 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+
+from guard_server.wire import ReportBatch, StepReport
 
 __all__ = ["MemorySink"]
 
 
 class MemorySink:
-    """Stores reports in a list; `batch()` wraps them as one wire-format request body."""
+    """Stores what it receives; `batch()` is all of it as one request body of the wire."""
 
     def __init__(self) -> None:
-        self.reports: list[dict[str, Any]] = []
+        self.batches: list[ReportBatch] = []
         self.closed = False
         self._lock = threading.Lock()
-        self.run_id: str | None = None
-        self.rank: int | None = None
 
-    def bind(self, run_id: str, rank: int) -> None:
-        self.run_id, self.rank = run_id, rank
-
-    def emit(self, report: dict[str, Any]) -> None:
+    def emit(self, batch: ReportBatch) -> None:
         with self._lock:
-            self.reports.append(report)
+            self.batches.append(batch)
 
     def close(self, timeout: float = 5.0) -> None:
         self.closed = True
 
-    def batch(self) -> dict[str, Any]:
+    @property
+    def reports(self) -> list[StepReport]:
         with self._lock:
-            return {"run_id": self.run_id, "rank": self.rank, "reports": list(self.reports)}
+            return [r for b in self.batches for r in b.reports]
+
+    def batch(self) -> ReportBatch:
+        """Every report received, as one batch (they all come from one run and rank)."""
+        with self._lock:
+            first = self.batches[0]
+            return first.model_copy(update={"reports": [r for b in self.batches
+                                                        for r in b.reports]})

@@ -7,15 +7,16 @@ retries connection errors, 5xx and 429 with exponential backoff, and counts what
 
 from __future__ import annotations
 
-import json
+import itertools
 import logging
 import os
 import threading
 import time
 from collections import deque
-from typing import Any
 
 import httpx
+
+from guard_server.wire import MAX_BATCH_REPORTS, ReportBatch, StepReport
 
 __all__ = ["PushSink"]
 
@@ -23,7 +24,6 @@ log = logging.getLogger("guard")
 
 # Far below the server's 1 MiB body limit even with 32 long violation messages in a report.
 MAX_BATCH_BYTES = 512 * 1024
-MAX_BATCH_REPORTS = 1000  # the server's bound on one batch (docs/wire.md)
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
@@ -47,7 +47,7 @@ class PushSink:
         if token:
             headers["authorization"] = f"Bearer {token}"
         self._client = httpx.Client(headers=headers, timeout=timeout_s)
-        self._queue: deque[dict[str, Any]] = deque()
+        self._queue: deque[ReportBatch] = deque()  # one report each
         self._max_queue = max_queue
         self._batch_size = min(batch_size, MAX_BATCH_REPORTS)
         self._flush_interval_s = flush_interval_s
@@ -57,21 +57,19 @@ class PushSink:
         self._deadline = float("inf")  # close(): give up retrying after this
         self.dropped = 0
         self.sent = 0
-        self.run_id = ""
-        self.rank = 0
         self._thread = threading.Thread(target=self._run, name="guard-push", daemon=True)
         self._thread.start()
 
-    def bind(self, run_id: str, rank: int) -> None:
-        self.run_id, self.rank = run_id, rank
-
-    def emit(self, report: dict[str, Any]) -> None:
+    def emit(self, batch: ReportBatch) -> None:
+        parts = [batch] if len(batch.reports) == 1 else [
+            batch.model_copy(update={"reports": [r]}) for r in batch.reports]
         with self._cond:
-            if len(self._queue) >= self._max_queue:
-                self._queue.popleft()
-                self.dropped += 1
-            self._queue.append(report)
-            if len(self._queue) >= self._batch_size or report.get("final"):
+            for part in parts:
+                if len(self._queue) >= self._max_queue:
+                    self._queue.popleft()
+                    self.dropped += 1
+                self._queue.append(part)
+            if len(self._queue) >= self._batch_size or any(r.final for r in batch.reports):
                 self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -91,32 +89,22 @@ class PushSink:
 
     # -- the background thread ---------------------------------------------------------------
 
-    def _take(self) -> list[dict[str, Any]]:
+    def _take(self) -> list[ReportBatch]:
         with self._cond:
             if not self._queue and not self._closing:
                 self._cond.wait(self._flush_interval_s)
             n = min(len(self._queue), self._batch_size)
             return [self._queue.popleft() for _ in range(n)]
 
-    def _bodies(self, reports: list[dict[str, Any]]) -> list[tuple[bytes, int]]:
-        """(request body, reports in it), each body at most MAX_BATCH_BYTES."""
+    def _bodies(self, taken: list[ReportBatch]) -> list[tuple[bytes, int]]:
+        """(request body, reports in it): one batch per run and rank, in order, each stamped
+        with the drops so far and at most MAX_BATCH_BYTES."""
+        stamp = {"dropped_reports": self.dropped}
         bodies: list[tuple[bytes, int]] = []
-        chunk: list[str] = []
-        size = 0
-        for r in reports:
-            enc = json.dumps({**r, "dropped_reports": self.dropped}, separators=(",", ":"))
-            if chunk and size + len(enc) > MAX_BATCH_BYTES:
-                bodies.append((self._wrap(chunk), len(chunk)))
-                chunk, size = [], 0
-            chunk.append(enc)
-            size += len(enc) + 1
-        if chunk:
-            bodies.append((self._wrap(chunk), len(chunk)))
+        for (run_id, rank), group in itertools.groupby(taken, lambda b: (b.run_id, b.rank)):
+            reports = [r.model_copy(update=stamp) for b in group for r in b.reports]
+            bodies += _encode(ReportBatch(run_id=run_id, rank=rank, reports=reports))
         return bodies
-
-    def _wrap(self, encoded: list[str]) -> bytes:
-        head = json.dumps({"run_id": self.run_id, "rank": self.rank})[:-1]
-        return f'{head},"reports":[{",".join(encoded)}]}}'.encode()
 
     def _run(self) -> None:
         while True:
@@ -152,3 +140,15 @@ class PushSink:
                           why, delay)
                 self._cond.wait(delay)
             delay = min(delay * 2, self._backoff_s[1])
+
+
+def _encode(batch: ReportBatch) -> list[tuple[bytes, int]]:
+    """The batch as request bodies of at most MAX_BATCH_BYTES each (halved until they fit;
+    a single report is always far below the limit)."""
+    body = batch.model_dump_json().encode()
+    n = len(batch.reports)
+    if len(body) <= MAX_BATCH_BYTES or n == 1:
+        return [(body, n)]
+    halves: list[list[StepReport]] = [batch.reports[: n // 2], batch.reports[n // 2 :]]
+    return [part for half in halves
+            for part in _encode(batch.model_copy(update={"reports": half}))]

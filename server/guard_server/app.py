@@ -7,8 +7,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from guard_server import routes_health, routes_ingest, routes_metrics, routes_runs
 from guard_server.collector import new_registry
+from guard_server.routes import ROUTERS
 from guard_server.settings import Settings
 from guard_server.store import Store
 
@@ -37,6 +37,6 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.store = store
     app.state.registry = new_registry(store)  # per app: two apps in one process never clash
     app.state.ready = False
-    for module in (routes_ingest, routes_metrics, routes_runs, routes_health):
-        app.include_router(module.router)
+    for router in ROUTERS:
+        app.include_router(router)
     return app

@@ -104,6 +104,11 @@ def build_families(snap: Snapshot) -> list[Metric]:
     )
     for reason, count in snap.rejected.items():
         rejected.add_metric([reason], count)
+    # What the server holds now (after eviction): what its memory grows with.
+    runs = GaugeMetricFamily("guard_server_runs", "Runs this server holds state for.",
+                             value=len({view.run_id for view in snap.ranks}))
+    ranks = GaugeMetricFamily("guard_server_ranks", "Ranks this server holds state for, over "
+                              "all runs.", value=len(snap.ranks))
     return [
         step,
         seen,
@@ -119,6 +124,8 @@ def build_families(snap: Snapshot) -> list[Metric]:
         dropped,
         ingested,
         rejected,
+        runs,
+        ranks,
     ]
 
 

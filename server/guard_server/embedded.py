@@ -72,8 +72,8 @@ class EmbeddedServer:
             # Quiet: the trainer's log is for training, not for uvicorn's start-up lines.
             settings = Settings(host=host, port=port, log_level="warning")
         self.settings = settings
-        self.app = create_app(self.settings, store)
-        self.store: Store = self.app.state.store
+        self.store = store if store is not None else Store(settings)
+        self.app = create_app(settings, self.store)
         self.url: str | None = None
         self._start_timeout_s = start_timeout_s
         self._server: _Server | None = None

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from guard_server.errors import CapacityError
-from guard_server.schema import Event, ReportBatch, StepReport
 from guard_server.settings import Settings
+from guard_server.wire import Event, ReportBatch, StepReport
 
 __all__ = ["REJECT_REASONS", "RankView", "RejectReason", "Snapshot", "Store"]
 

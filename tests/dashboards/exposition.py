@@ -78,6 +78,8 @@ def fault_exposition(scrape: int, now: float) -> str:
         ("guard_ingest_rejected_total", "counter", [
             ('reason="unauthorized"', n), ('reason="invalid"', 2),
         ]),
+        ("guard_server_runs", "gauge", [("", 1)]),
+        ("guard_server_ranks", "gauge", [("", 2)]),
     ]  # fmt: skip
     lines = []
     for name, kind, samples in families:

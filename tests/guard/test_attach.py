@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -11,10 +9,9 @@ from torch import nn
 
 import guard
 from guard import GuardViolation
-from guard.flags import Slot
 from guard.sinks import MemorySink
-from tests.conftest import batch, hook_count, policy, tiny_gpt
-from tests.guard.test_discovery import hf_gpt2
+from tests.conftest import batch, hook_count, no_host_reads, policy, tiny_gpt
+from tests.guard.vocab.test_discover import hf_gpt2
 
 STATS_KEYS = {"step", "loss", "padding_mass", "padding_mass_max", "nonfinite", "out_of_range",
               "violations", "skipped_steps"}
@@ -99,17 +96,6 @@ def test_padding_mass_matches_the_pure_function_when_exact() -> None:
     assert s["step"] == 1
     assert s["padding_mass"] == pytest.approx(float(expected.mean()), rel=1e-5)
     assert s["padding_mass_max"] == pytest.approx(float(expected.max()), rel=1e-5)
-
-
-def test_sampled_padding_mass_sees_at_most_sample_tokens() -> None:
-    m = tiny_gpt(garbage=0.3)
-    pol = policy(padding_mass={"action": "warn", "sample_tokens": 8})
-    with guard.attach(m, policy=pol, vocab_size=100) as g:
-        m(*batch())
-        assert float(g.flags.t[Slot.PM_COUNT]) == 8  # 64 positions, 8 sampled
-        m(*batch())  # the first forward's boundary: read and reset
-        assert float(g.flags.t[Slot.PM_COUNT]) == 8
-        assert g.stats["padding_mass"] is not None and g.stats["step"] == 1
 
 
 def test_padding_mass_fail_names_columns_and_fix() -> None:
@@ -302,9 +288,10 @@ def test_read_every_reads_the_flags_every_n_steps() -> None:
             m(*batch())
         assert g.stats["step"] == 6
         assert g.stats["violations"] == {"padding_mass": {"warn": 2}}
-    assert [r["step"] for r in sink.reports] == [3, 6, 8]
-    assert sink.reports[-1]["final"] and sink.reports[0]["padding_mass"] > 0
-    assert all(r["vocab"] == {"real": 100, "rows": 128, "aligned": 128} for r in sink.reports)
+    assert [r.step for r in sink.reports] == [3, 6, 8]
+    assert sink.reports[-1].final and (sink.reports[0].padding_mass or 0) > 0
+    assert all(r.vocab.model_dump() == {"real": 100, "rows": 128, "aligned": 128}
+               for r in sink.reports)
 
 
 def test_detach_removes_every_hook_and_is_idempotent() -> None:
@@ -339,24 +326,6 @@ def test_violation_pickles_with_its_data() -> None:
 # -- the hot path ----------------------------------------------------------------------------
 
 
-@contextmanager
-def no_host_reads() -> Iterator[None]:
-    """Every way a tensor reaches the host raises while this is active."""
-    names = ["item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__"]
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def boom(*a: object, **k: object) -> None:
-        raise AssertionError("host read inside the hot path")
-
-    for n in names:
-        setattr(torch.Tensor, n, boom)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-
-
 def test_hooks_never_read_a_tensor_to_the_host() -> None:
     m = tiny_gpt(garbage=0.5)
     x, y = batch()
@@ -367,8 +336,7 @@ def test_hooks_never_read_a_tensor_to_the_host() -> None:
         with no_host_reads():
             for _ in range(2):
                 _, loss = m(x, y)
-                loss.backward()
-                g.step_loss.record(loss)
+                loss.backward()  # the model's loss: recorded by its hook
         g.step()
         assert g.stats["out_of_range"]["input"] == 2 and g.stats["padding_mass"] > 0
     # and the guard really would have been caught:
@@ -440,3 +408,57 @@ def test_the_models_loss_fed_to_g_step_after_the_update_counts_once() -> None:
             g.step(loss)  # after it too, as some loops do: the same tensor, counted once
             opt.zero_grad()
     assert g.stats["skipped_steps"] == 1 and g.stats["nonfinite"]["loss"] == 1
+
+
+# -- integration keywords --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"steps": "optimizer"}, r"steps='optimizer': expected one of auto, manual"),
+    ({"loss_shares": "mean"}, r"loss_shares='mean': expected one of last, sum"),
+    ({"loss_scale": 0.0}, r"loss_scale=0.0: expected a finite number > 0"),
+    ({"loss_scale": float("inf")}, r"loss_scale=inf"),
+    ({"steps": "manual", "optimizer": "opt"}, r"steps='manual' marks steps with g.step\(\) only"),
+])
+def test_bad_integration_keywords_are_refused_by_name(kwargs: dict[str, object],
+                                                     error: str) -> None:
+    m = tiny_gpt()
+    if kwargs.get("optimizer") == "opt":
+        kwargs = {**kwargs, "optimizer": torch.optim.SGD(m.parameters(), lr=0.1)}
+    with pytest.raises(guard.AttachError, match=error):
+        guard.attach(m, policy=policy(), **kwargs)  # type: ignore[arg-type]
+    assert hook_count(m) == 0
+
+
+def test_manual_steps_count_only_g_step_across_accumulated_forwards() -> None:
+    m = tiny_gpt()
+    with guard.attach(m, policy=policy(), vocab_size=100, steps="manual") as g:
+        for _ in range(2):
+            for i in range(3):  # three micro-batches per step: no boundary in between
+                m(*batch(seed=i))[1].backward()
+            g.step()
+        assert g.stats["step"] == 2
+
+
+def test_loss_shares_sum_reports_the_sum_of_the_micro_batch_losses() -> None:
+    m = tiny_gpt()
+    with guard.attach(m, policy=policy(), vocab_size=100, steps="manual",
+                      loss_shares="sum", loss_scale=2.0) as g:
+        losses = [float(m(*batch(seed=i))[1].detach()) for i in range(3)]
+        g.step()
+        assert g.stats["loss"] == pytest.approx(2.0 * sum(losses), rel=1e-6)
+    with guard.attach(m, policy=policy(), vocab_size=100, steps="manual") as g:
+        losses = [float(m(*batch(seed=i))[1].detach()) for i in range(3)]
+        g.step()
+        assert g.stats["loss"] == pytest.approx(losses[-1], rel=1e-6)  # last, by default
+
+
+def test_a_fallback_loss_counts_only_when_the_model_gave_none() -> None:
+    m = tiny_gpt()
+    with guard.attach(m, policy=policy(), vocab_size=100, steps="manual") as g:
+        _, loss = m(*batch())
+        g.step(torch.tensor(123.0), fallback=True)  # the model's own loss wins
+        assert g.stats["loss"] == pytest.approx(float(loss.detach()))
+        m(batch()[0])  # no targets: no loss from the model
+        g.step(torch.tensor(123.0), fallback=True)
+        assert g.stats["loss"] == 123.0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from guard.cli import main
-from tests.guard.test_checkpoint import write_model
+from tests.guard.vocab.test_checkpoint import write_model
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.*
 
 import guard
-from guard.flags import Flags
+from guard.device.flags import Flags
 from tests.conftest import batch, policy, tiny_gpt
 
 GHOST_RANK, GHOST_STEP, STEPS = 1, 3, 6
@@ -54,7 +54,7 @@ def main(out: Path, serve_port: int) -> None:
     result: dict[str, Any] = {"rank": rank, "raised_at": None}
     try:
         with guard.attach(model, policy=pol, vocab_size=100, optimizer=opt) as g:
-            result.update(run_id=g.run_id, guard_rank=g.rank, local_rank=g.local_rank,
+            result.update(run_id=g.run_id, guard_rank=g.rank,
                           metrics_url=g.metrics_url)
             for step in range(1, STEPS + 1):
                 x, y = batch(seed=step)

@@ -102,7 +102,7 @@ def test_gradient_accumulation_reports_the_trainers_step_loss(tmp_path: Path) ->
     cb = GuardCallback(policy=policy())
     t = trainer(model, tok, examples(tok), cb, tmp_path, steps=2, accumulate=4)
     t.train()
-    assert cb.guard is not None and cb.guard.step_loss.sum_shares
+    assert cb.guard is not None and cb.guard.probe.loss.sum_shares
     logged = [e["loss"] for e in t.state.log_history if "loss" in e]
     assert cb.guard.stats["loss"] == pytest.approx(logged[-1], rel=1e-3)
 

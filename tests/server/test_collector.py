@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from guard_server import ReportBatch, Settings, Store, create_app
 from guard_server.collector import new_registry
-from guard_server.routes_metrics import encoder_for
+from guard_server.routes.metrics import encoder_for
 
 # DESIGN.md, "Metric names": name -> (type, extra labels). Counters are keyed by the exposed
 # name; prometheus_client's parser reports them without the _total suffix.
@@ -34,6 +34,8 @@ DESIGN = {
 SERVER = {
     "guard_ingest_reports_total": ("counter", set()),
     "guard_ingest_rejected_total": ("counter", {"reason"}),
+    "guard_server_runs": ("gauge", set()),
+    "guard_server_ranks": ("gauge", set()),
 }
 
 
@@ -83,6 +85,8 @@ def test_values_read_back(store: Store, clock: Any) -> None:
     assert registry.get_sample_value("guard_loss", {"run_id": "r1", "rank": "4"}) is None
     assert registry.get_sample_value("guard_ingest_reports_total") == 2
     assert registry.get_sample_value("guard_ingest_rejected_total", {"reason": "invalid"}) == 0
+    assert registry.get_sample_value("guard_server_runs") == 1
+    assert registry.get_sample_value("guard_server_ranks") == 2
 
 
 def test_each_app_has_its_own_registry(store: Store) -> None:

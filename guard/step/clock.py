@@ -1,0 +1,179 @@
+"""The step clock: where a training step ends, and which step's flags each read returns.
+
+A step ends at one of three boundaries, fixed at attach (`steps=`, `optimizer=`):
+- `optimizer`: the optimizer's step pre-hook, before the weights change, so `fail` leaves
+  them untouched and `skip` can drop the update;
+- `manual`: `g.step()`, and nothing else (callbacks that accumulate gradients over several
+  forwards; a loop without `optimizer=` switches to it at its first `g.step()`);
+- `forward`: each training forward that builds a graph; its boundary runs when the next such
+  forward starts (or at detach), not when it ends, so a loop that calls g.step(loss) after
+  its first forward is never counted twice.
+
+Every `read_every` boundaries the clock reads the flags; where no check needs to act before
+the update (`Policy.host_may_lag`) and the device is a GPU, one step late, so the device never
+stalls. Each read goes to `on_read(reading, step, in_step=, closure=)`, which returns whether
+to drop this optimizer step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, Protocol, get_args
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from guard.device.compile import eager_at_top_level
+from guard.device.flags import Flags
+from guard.device.loss import StepLoss
+from guard.device.probe import Probe
+from guard.errors import AttachError
+from guard.policy import Action, Policy
+from guard.step.reading import Reading
+
+__all__ = ["Boundary", "OnRead", "StepClock", "Steps", "check_boundaries"]
+
+log = logging.getLogger("guard")
+
+Steps = Literal["auto", "manual"]
+Boundary = Literal["optimizer", "manual", "forward"]
+
+
+class OnRead(Protocol):
+    def __call__(self, reading: Reading, step: int, *, in_step: bool, closure: bool) -> bool: ...
+
+
+def check_boundaries(policy: Policy, optimizer: object, steps: str) -> None:
+    """attach's `optimizer=` and `steps=` against each other and the policy, before anything is
+    built: `skip` needs the optimizer's step pre-hook; with reads every N steps, `fail` and
+    `skip` act at the reads only (a warning)."""
+    if steps not in get_args(Steps):
+        raise AttachError(f"steps={steps!r}: expected one of {', '.join(get_args(Steps))}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise AttachError(
+            f"optimizer= must be a torch.optim.Optimizer (its step pre-hook is the step "
+            f"boundary), got {type(optimizer).__name__}; pass the torch optimizer a wrapper "
+            "holds (accelerate: wrapper.optimizer), or use guard.integrations")
+    if optimizer is not None and steps == "manual":
+        raise AttachError("steps='manual' marks steps with g.step() only, but optimizer= makes "
+                          "each optimizer step one: give one of them")
+    every = policy.cadence.read_every
+    if (failing := policy.acting(Action.FAIL)) and every > 1:
+        log.warning("guard: with cadence.read_every %d, fail (%s) is decided at the reads only: "
+                    "up to %d updates can be applied after a bad step. Use read_every: 1 "
+                    "where fail must stop the first one.", every, ", ".join(failing), every - 1)
+    if not (skipping := policy.acting(Action.SKIP)):
+        return
+    if optimizer is None:
+        raise AttachError(
+            f"checks.{skipping[0]}.action: skip drops the optimizer step, so the guard needs "
+            "the optimizer: guard.attach(model, optimizer=opt, ...); or choose fail, warn or off")
+    if every > 1:
+        log.warning("guard: with cadence.read_every %d, skip drops only the step at which the "
+                    "flags are read; the other steps of the window are applied. Use "
+                    "read_every: 1 with skip.", every)
+
+
+class StepClock:
+    """Counts steps, folds each step's loss, reads the flags when due and hands the reading on."""
+
+    def __init__(self, probe: Probe, loss: StepLoss, flags: Flags, on_read: OnRead, *,
+                 boundary: Boundary, read_every: int = 1, may_lag: bool = False) -> None:
+        self.probe, self.loss, self.flags, self.on_read = probe, loss, flags, on_read
+        self.boundary = boundary
+        self.read_every = read_every
+        self.may_lag = may_lag
+        self.step = 0
+        self._read_step = 0  # the step whose values a lagged read returns next
+        self._pending = False  # forward boundary: a forward ended, its boundary not yet run
+
+    @classmethod
+    def from_policy(cls, policy: Policy, probe: Probe, on_read: OnRead, *,
+                    optimizer: torch.optim.Optimizer | None, steps: Steps) -> StepClock:
+        boundary: Boundary = ("manual" if steps == "manual"
+                              else "optimizer" if optimizer is not None else "forward")
+        return cls(probe, probe.loss, probe.flags, on_read, boundary=boundary,
+                   read_every=policy.cadence.read_every, may_lag=policy.host_may_lag)
+
+    def install(self, model: nn.Module,
+                optimizer: torch.optim.Optimizer | None) -> list[RemovableHandle]:
+        """The hooks of this clock's boundary (none for `manual`)."""
+        if self.boundary == "optimizer" and optimizer is not None:
+            return [optimizer.register_step_pre_hook(self._optimizer_pre)]
+        if self.boundary != "forward":
+            return []
+        eager_at_top_level(self._forward_end)
+        # Host work that may read the flags, so torch.compile must not trace it: disabled, it
+        # runs eagerly before the compiled frame of a compiled model; inlined into a larger
+        # compiled function it costs one graph break. Prepended: the boundary closes the
+        # previous step before this forward's hooks add to the flags.
+        start: Callable[..., None] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+            self._forward_start)
+        return [model.register_forward_pre_hook(start, prepend=True),
+                model.register_forward_hook(self._forward_end)]
+
+    def mark(self) -> None:
+        """`g.step()`: a boundary now; without an optimizer hook, only g.step() marks them
+        from now on."""
+        if self.boundary == "forward":
+            self.boundary, self._pending = "manual", False
+        self.tick()
+
+    def tick(self, *, in_step: bool = False, closure: bool = False) -> bool:
+        """End the current step: fold its loss, read when due; True: drop this update.
+
+        `in_step`: called from the optimizer's step pre-hook, before the weights change.
+        """
+        self.step += 1
+        self.probe.begin(self.step)
+        self.loss.fold()
+        if self.step % self.read_every:
+            return False
+        # On the CPU a copy to the host is the read itself: nothing to gain from lagging.
+        lagged = self.may_lag and self.flags.device.type == "cuda"
+        reading = self.flags.read(lagged=lagged)
+        step = self._read_step if lagged else self.step
+        self._read_step = self.step
+        if reading is None:
+            return False
+        return self.on_read(reading, step, in_step=in_step and not lagged, closure=closure)
+
+    def finish(self) -> Iterator[tuple[Reading, int]]:
+        """At detach: the readings still unread, with their steps, read locally (one rank may
+        detach alone, after an exception: a collective the others do not join would hang)."""
+        if self._pending:
+            self._pending = False
+            self.step += 1
+        self.loss.fold()
+        queued = self.flags.flush()
+        if queued is not None:
+            yield queued, self._read_step
+        current = self.flags.read(lagged=False, reduce=False)
+        if current is not None and self.step > self._read_step:
+            yield current, self.step
+
+    # -- boundary hooks ----------------------------------------------------------------------
+
+    def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The hook sees step's own args: (optimizer, closure?) and kwargs.
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if self.tick(in_step=True, closure=closure is not None):
+            # skip: every torch optimizer passes over a parameter whose .grad is None, so
+            # neither the weight (decoupled weight decay included) nor its state (Adam moments
+            # and step, SGD momentum) moves, on the for-loop, foreach and fused paths alike.
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    def _forward_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        # A step is a training forward that builds a graph: a no_grad forward in train mode
+        # (sampling, a probe) is not, or ranks would count steps, and collectives, apart.
+        if self._pending and module.training and torch.is_grad_enabled():
+            self._pending = False
+            self.tick()
+
+    def _forward_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.boundary == "forward" and module.training and torch.is_grad_enabled():
+            self._pending = True

@@ -1,0 +1,106 @@
+"""Localisation per non-finite episode: the guard's use of guard/step/localise.py.
+
+The first nonfinite read of an episode names the first module that went non-finite: by a
+re-run of the last forward when the read is synchronous in the optimizer's step pre-hook,
+else by flag hooks armed for the next training forward. A clean read ends the episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from guard.device.compile import eager_at_top_level
+from guard.device.flags import Flags
+from guard.policy import Action, Policy
+from guard.step.localise import Inputs, Localiser, capture, rerun
+from guard.step.verdict import Note, Verdict
+
+__all__ = ["Episodes"]
+
+class Episodes:
+    """Annotates nonfinite violations with the module; state across reads of one run."""
+
+    def __init__(self, model: nn.Module, action: Action) -> None:
+        self.model = model
+        self.action = action  # the policy's nonfinite action, for the notes
+        self.root = type(model).__name__
+        self.inputs: Inputs | None = None
+        self._armed: Localiser | None = None
+        self._armed_step = 0
+        self._open = False  # inside a run of nonfinite reads, already localised
+
+    @classmethod
+    def from_policy(cls, policy: Policy, model: nn.Module) -> Episodes | None:
+        """None where nonfinite is off or `localise: false`: nothing is kept, nothing armed."""
+        if not (policy.enabled("nonfinite") and policy.checks.nonfinite.localise):
+            return None
+        return cls(model, policy.action("nonfinite"))
+
+    def install(self, flags: Flags) -> list[RemovableHandle]:
+        """Keep each training forward's inputs for a re-run (only useful where reads are
+        synchronous in the optimizer's step pre-hook); `flags` follow the model's device."""
+        self._flags = flags
+        eager_at_top_level(self._keep)
+        return [self.model.register_forward_pre_hook(self._keep, with_kwargs=True)]
+
+    def _keep(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module.training:  # references, no copy
+            self.inputs = capture(args, kwargs, self._flags.device.type)
+
+    def close(self) -> None:
+        if self._armed is not None:
+            self._armed.disarm()
+            self._armed = None
+        self.inputs = None
+
+    def annotate(self, verdict: Verdict, *, rerun_now: bool, step: int,
+                 rank: int) -> tuple[Verdict, Note | None]:
+        """(the verdict with its nonfinite violation localised, a note from armed flags)."""
+        note = None
+        if self._armed is not None and self._armed.calls:
+            armed, self._armed = self._armed, None
+            note = self._armed_note(armed, step, rank)
+        found = list(verdict.violations)
+        i = next((k for k, v in enumerate(found) if v.check == "nonfinite"), None)
+        if i is None:
+            self._open = False  # a clean read: the next NaN is a new episode
+            return verdict, note
+        if self._open:
+            return verdict, note
+        self._open = True
+        v = found[i]
+        if rerun_now and self.inputs is not None:
+            finding = rerun(self.model, self.inputs)
+            if finding is None:
+                why = ("every module output was finite on a re-run of the last forward: the "
+                       "value arose outside the modules (the loss?) or in an earlier micro-batch")
+                found[i] = replace(v, message=f"{v.message} Localisation: {why}.")
+            else:
+                found[i] = replace(v, module=finding.module or self.root, message=(
+                    f"{v.message} Localisation: {finding.describe(self.root)}."))
+        elif v.action is Action.FAIL:
+            found[i] = replace(v, message=f"{v.message} Pass optimizer= to guard.attach to name "
+                               "the first non-finite module at the failing step.")
+        elif self._armed is None:
+            self._armed = Localiser(self.model, training_only=True)
+            self._armed.arm()
+            self._armed_step = v.step
+        return Verdict(tuple(found)), note
+
+    def _armed_note(self, loc: Localiser, step: int, rank: int) -> Note:
+        """Flags armed after an earlier violation saw a training forward: one event, no count."""
+        loc.disarm()
+        finding = loc.first()
+        where = f"nonfinite on rank {rank} at step {step}"
+        if finding is None:
+            message = (f"{where}: the non-finite value seen at step {self._armed_step} did not "
+                       "recur in the next training forward; not localised")
+        else:
+            message = (f"{where}: localised with per-module flags armed after step "
+                       f"{self._armed_step}: {finding.describe(self.root)}")
+        module = None if finding is None else finding.module or self.root
+        return Note("nonfinite", self.action, step, message, module)

@@ -1,0 +1,177 @@
+"""The guard's host-side record: `g.stats`, violation counts, events, and the one report per
+read that goes to the sinks, built with the wire's own models (guard_server/wire.py) and
+clipped to its limits, so a sink never sees a report the server would reject."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from typing import Any, cast
+
+from guard.policy import CHECKS, Action, Policy, default_run_id
+from guard.sinks import Sink
+from guard.step.reading import Values
+from guard.step.verdict import Note, Verdict, Violation
+from guard.vocab.sizes import Audit
+from guard_server.wire import (
+    MAX_COUNT,
+    MAX_EVENTS,
+    MAX_MESSAGE,
+    MAX_MODULE,
+    ActionName,
+    CheckName,
+    Event,
+    NonFinite,
+    OutOfRange,
+    ReportBatch,
+    StepReport,
+    VocabSizes,
+)
+
+__all__ = ["Record", "empty_stats"]
+
+log = logging.getLogger("guard")
+
+# Warnings per check: every one of the first few, then one in this many, so a run that warns
+# every step still shows its first occurrences without flooding the log.
+_LOG_FIRST, _LOG_EVERY = 5, 100
+
+
+def empty_stats() -> dict[str, Any]:
+    """`g.stats` before the first read (DESIGN.md, Public API)."""
+    return {
+        "step": 0,
+        "loss": None,
+        "padding_mass": None,
+        "padding_mass_max": None,
+        "nonfinite": {"logits": 0, "hidden": 0, "loss": 0},
+        "out_of_range": {"input": 0, "label": 0},
+        "violations": {},
+        "skipped_steps": 0,
+    }
+
+
+def _count(n: int) -> int:
+    return min(n, MAX_COUNT)
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _ratio(x: float | None) -> float | None:
+    x = _finite(x)
+    return None if x is None else min(max(x, 0.0), 1.0)
+
+
+def _event(n: Note) -> Event:
+    """The wire's event for a note or a violation, clipped to the wire's limits."""
+    return Event(check=cast(CheckName, n.check), action=cast(ActionName, n.action.value),
+                 step=_count(n.step), message=n.message[:MAX_MESSAGE],
+                 module=None if n.module is None else n.module[:MAX_MODULE])
+
+
+class Record:
+    """What `g.stats` shows and what the sinks receive, for one guard on one rank."""
+
+    def __init__(self, run_id: str, rank: int, vocab: dict[str, int],
+                 enabled: dict[str, Action]) -> None:
+        self.run_id, self.rank = run_id, rank
+        self.vocab = VocabSizes(**{k: _count(n) for k, n in vocab.items()})
+        self.enabled = enabled  # check -> action: a 0 count in every report until it fires
+        self.sinks: list[Sink] = []
+        self.halted: str | None = None
+        self._stats = empty_stats()
+        self._violations: dict[str, Counter[str]] = {}
+        self._events: list[Event] = []
+
+    @classmethod
+    def from_policy(cls, policy: Policy, audit: Audit, rank: int) -> Record:
+        enabled = {c: policy.action(c) for c in CHECKS if policy.enabled(c)}
+        vocab = {"real": audit.real, "rows": audit.rows, "aligned": audit.aligned}
+        return cls(policy.run_id or default_run_id(), rank, vocab, enabled)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """A plain-dict copy (DESIGN.md, Public API)."""
+        s = dict(self._stats)
+        s["nonfinite"] = dict(s["nonfinite"])
+        s["out_of_range"] = dict(s["out_of_range"])
+        s["violations"] = {c: dict(a) for c, a in self._violations.items()}
+        return s
+
+    def update(self, values: Values, step: int) -> None:
+        """This rank's values of one read: the gauges as of now, the counters added."""
+        s = self._stats
+        s["step"] = step
+        if values.loss is not None:
+            s["loss"] = values.loss
+        if values.padding_mass is not None:
+            s["padding_mass"] = values.padding_mass
+            s["padding_mass_max"] = values.padding_mass_max
+        for key, n in values.nonfinite.items():
+            s["nonfinite"][key] += n
+        for key, n in values.out_of_range.items():
+            s["out_of_range"][key] += n
+
+    def add(self, verdict: Verdict) -> None:
+        """Count each violation, keep it for the next report, log it (rate-limited)."""
+        for v in verdict.violations:
+            self._add(v)
+        if verdict.fail is not None:
+            self.halted = verdict.fail.check
+
+    def _add(self, v: Violation) -> None:
+        counts = self._violations.setdefault(v.check, Counter())
+        counts[v.action.value] += 1
+        self._events.append(_event(v))
+        n = counts[v.action.value]
+        if v.action is not Action.FAIL and (n <= _LOG_FIRST or n % _LOG_EVERY == 0):
+            suffix = f" (occurrence {n})" if n > 1 else ""
+            log.warning("%s%s", v.message, suffix)
+
+    def note(self, n: Note) -> None:
+        """An event for the next report that is not a violation of its own (no count)."""
+        log.warning("%s", n.message)
+        self._events.append(_event(n))
+
+    def skipped(self) -> None:
+        self._stats["skipped_steps"] += 1
+
+    def report(self, *, final: bool = False) -> StepReport:
+        """The report of the last read (and the events since the previous report)."""
+        s = self._stats
+        violations = {c: {a.value: 0} for c, a in self.enabled.items()}
+        for check, actions in self._violations.items():
+            violations.setdefault(check, {}).update(
+                {a: _count(n) for a, n in actions.items()})
+        events, self._events = self._events[-MAX_EVENTS:], []
+        return StepReport(
+            step=_count(s["step"]), timestamp=time.time(), loss=_finite(s["loss"]),
+            padding_mass=_ratio(s["padding_mass"]),
+            padding_mass_max=_ratio(s["padding_mass_max"]),
+            nonfinite=NonFinite(**{k: _count(n) for k, n in s["nonfinite"].items()}),
+            out_of_range=OutOfRange(**{k: _count(n) for k, n in s["out_of_range"].items()}),
+            violations=cast(dict[CheckName, dict[ActionName, int]], violations),
+            skipped_steps=_count(s["skipped_steps"]),
+            halted=cast(CheckName | None, self.halted), vocab=self.vocab, dropped_reports=0,
+            final=final, events=events)
+
+    def emit(self, *, final: bool = False) -> None:
+        """One report to every sink; a sink that fails is logged and training goes on."""
+        if not self.sinks:
+            self._events.clear()
+            return
+        batch = ReportBatch(run_id=self.run_id, rank=self.rank,
+                            reports=[self.report(final=final)])
+        for sink in self.sinks:
+            try:
+                sink.emit(batch)
+            except Exception:  # a sink must never stop training
+                log.exception("guard: sink %r failed; continuing", sink)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

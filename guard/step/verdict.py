@@ -1,0 +1,182 @@
+"""The verdict of one read: from a `Reading` to violations with their messages, and whether
+to stop or to drop the step. Pure Python: no tensor, no state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from guard.errors import GuardViolation
+from guard.policy import Action, Policy
+from guard.step.reading import Reading, Values
+from guard.vocab.sizes import Audit
+
+__all__ = ["Note", "Verdict", "Violation", "attach_verdict", "judge"]
+
+_NEXT = {
+    Action.FAIL: "stopping (action: fail)",
+    Action.SKIP: "skipping this optimizer step (action: skip)",
+    Action.MASK: "masking the padding columns to -inf (action: mask)",
+    Action.WARN: "continuing (action: warn)",
+}
+
+
+@dataclass(frozen=True)
+class Note:
+    """An event for the report: what a check saw at a step, and the module, when localised.
+    A plain Note is not a violation of its own (nothing is counted)."""
+
+    check: str
+    action: Action
+    step: int
+    message: str
+    module: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Violation(Note):
+    """One check over its threshold at one read; `rank` is the highest rank that saw it."""
+
+    rank: int
+    value: float
+    threshold: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The violations of one read, cause first, and what they decide."""
+
+    violations: tuple[Violation, ...] = ()
+
+    @property
+    def fail(self) -> Violation | None:
+        """The first violation whose action is fail: the job stops."""
+        return next((v for v in self.violations if v.action is Action.FAIL), None)
+
+    @property
+    def skip(self) -> bool:
+        """Drop this optimizer step: a check says skip and none says fail."""
+        return self.fail is None and any(v.action is Action.SKIP for v in self.violations)
+
+    def error(self) -> GuardViolation | None:
+        """The error to raise for `fail`, naming the other checks that fired with it."""
+        v = self.fail
+        if v is None:
+            return None
+        others = [o.check for o in self.violations if o is not v]
+        also = f" (also at this step: {', '.join(others)})" if others else ""
+        return GuardViolation(v.message + also, check=v.check, step=v.step, rank=v.rank,
+                              value=v.value, threshold=v.threshold, action=v.action.value,
+                              module=v.module)
+
+
+# The tensors of the nonfinite check, in the order of the message: cause first.
+_TENSORS = {"hidden": "lm_head input", "logits": "real-vocab logits", "loss": "loss"}
+
+
+def _seen(counts: dict[str, int], each: str, sep: str) -> tuple[str, float]:
+    """The non-zero counts as text (`each` formats one, with {n} and {k}) and their total."""
+    parts = [(k, n) for k, n in counts.items() if n > 0]
+    return sep.join(each.format(n=n, k=k) for k, n in parts), float(sum(n for _, n in parts))
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}" if x == x and abs(x) < 1e4 else f"{x:.4g}"
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a message needs besides the check's own values."""
+
+    glob: Values
+    policy: Policy
+    next: str  # what happens next, from the action
+    real: int
+    rows: int
+
+
+def _token_range(c: _Context) -> tuple[float, float, str]:
+    seen, total = _seen(c.glob.out_of_range, "{n} {k} ids", " and ")
+    ignore = c.policy.checks.token_range.ignore_index
+    exempt = "" if ignore is None else f" (ignore index {ignore} exempt)"
+    return total, 0.0, (
+        f"{seen} outside [0, {c.real}){exempt}: ids in [{c.real}, {c.rows}) are ghost tokens the "
+        f"tokenizer cannot produce; {c.next}. Check the tokenizer / data pipeline against "
+        f"vocab {c.real}.")
+
+
+def _padding_mass(c: _Context) -> tuple[float, float, str]:
+    top, mean = c.glob.padding_mass_max or 0.0, c.glob.padding_mass or 0.0
+    threshold = c.policy.checks.padding_mass.threshold
+    fix = ("The mask removes it from softmax and gradient." if c.policy.masks
+           else "Set checks.padding_mass.action: mask to mask them instead.")
+    return top, threshold, (
+        f"{_fmt(top)} of the probability (mean {_fmt(mean)}) is on the {c.rows - c.real} "
+        f"padding columns [{c.real}, {c.rows}), expected <= {threshold:g}; {c.next}. {fix}")
+
+
+def _nonfinite(c: _Context) -> tuple[float, float, str]:
+    counts = {name: c.glob.nonfinite[k] for k, name in _TENSORS.items()}
+    seen, total = _seen(counts, "{n} in the {k}", ", ")
+    return total, 0.0, (
+        f"NaN/Inf values: {seen}; expected none; {c.next}. Check the learning rate, the loss "
+        f"scale and the padding rows [{c.real}, {c.rows}) of the embedding / lm_head.")
+
+
+def _loss_spike(c: _Context) -> tuple[float, float, str]:
+    ls, ratio = c.policy.checks.loss_spike, c.glob.spike_ratio
+    loss = c.glob.loss if c.glob.loss is not None else float("nan")
+    return ratio, ls.factor, (
+        f"loss {_fmt(loss)} is {_fmt(ratio)}x the median of its last {ls.window} losses, "
+        f"expected <= {ls.factor:g}x (or a rise <= {ls.min_delta:g}); {c.next}. Look for "
+        "unmasked padding columns, a bad batch or a too high learning rate.")
+
+
+# The per-step checks in the order of a verdict, cause first: ghost ids explain an infinite
+# loss under the mask, not the reverse.
+_DESCRIBE: dict[str, Callable[[_Context], tuple[float, float, str]]] = {
+    "token_range": _token_range,
+    "padding_mass": _padding_mass,
+    "nonfinite": _nonfinite,
+    "loss_spike": _loss_spike,
+}
+
+
+def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int) -> Verdict:
+    """The verdict on the all-rank values, so every rank decides alike.
+
+    `real` and `rows`: the whole head's real vocab and rows, for the messages.
+    """
+    out = []
+    for check, describe in _DESCRIBE.items():
+        rank = reading.fired(check)
+        if rank is None or not policy.enabled(check):
+            continue
+        action = policy.action(check)
+        value, threshold, text = describe(_Context(reading.glob, policy, _NEXT[action], real,
+                                                   rows))
+        out.append(Violation(check, action, step, f"{check} on rank {rank} at step {step}: {text}",
+                             rank=rank, value=value, threshold=threshold))
+    return Verdict(tuple(out))
+
+
+def attach_verdict(audit: Audit, policy: Policy, rank: int) -> Verdict:
+    """The attach-time checks, alignment and vocab, at step 0: `fail` stops before step 1."""
+    multiple = audit.pad_multiple * audit.tensor_parallel
+    out = []
+    for check, problems in (("alignment", audit.alignment_problems),
+                            ("vocab", audit.vocab_problems)):
+        action = policy.action(check)
+        if action is Action.OFF or not problems:
+            continue
+        next_ = ("stopping before the first step (action: fail)" if action is Action.FAIL
+                 else "continuing (action: warn)")
+        message = (f"{check} on rank {rank} at attach: {'; '.join(problems)}; {next_}. Fix: "
+                   f"build embedding and lm_head with {audit.aligned} rows (a multiple of "
+                   f"{multiple}) and mask columns [{audit.real}, {audit.aligned}) with "
+                   "checks.padding_mass.action: mask.")
+        value = float(audit.rows if check == "alignment" else audit.real)
+        threshold = float(multiple if check == "alignment" else audit.rows)
+        out.append(Violation(check, action, 0, message, rank=rank, value=value,
+                             threshold=threshold))
+    return Verdict(tuple(out))

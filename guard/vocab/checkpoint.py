@@ -1,0 +1,209 @@
+"""The vocab audit of a Hugging Face model directory, without loading a weight (`guard audit`).
+
+Sizes come from config.json, the tokenizer files (tokenizer.json, else vocab.json /
+added_tokens.json, else a sentencepiece tokenizer.model) and the safetensors headers: an
+8-byte little-endian length, then that many bytes of JSON giving every tensor's dtype and
+shape. Pure Python and json; the same `audit_sizes` rule as `guard.attach` decides.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from guard.errors import CheckpointError
+from guard.vocab.sizes import Audit, audit_sizes
+from guard.vocab.tokenizer_files import load_json, tokenizer_vocab
+
+__all__ = ["CheckpointAudit", "TensorInfo", "audit_checkpoint", "safetensors_shapes"]
+
+# safetensors refuses headers over 100 MB; a bound also keeps a corrupt length from making us
+# read a whole multi-GB shard as "JSON".
+MAX_HEADER_BYTES = 100_000_000
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Where HF architectures keep the token embedding (name suffixes) and the output head (GPT-2
+# wte, Llama/Mistral/OPT embed_tokens, BLOOM/BERT word_embeddings, GPT-NeoX embed_in, T5
+# shared; lm_head almost everywhere, embed_out in GPT-NeoX, output in original Llama).
+_EMBEDDING = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight",
+              "tok_embeddings.weight", "shared.weight")
+_HEAD = ("lm_head.weight", "embed_out.weight")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    file: str
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a .safetensors file's header; no tensor data is read."""
+    try:
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(str(path), f"{len(prefix)} bytes; expected a safetensors "
+                                      "file starting with an 8-byte little-endian header length")
+            (n,) = struct.unpack("<Q", prefix)
+            size = path.stat().st_size
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(str(path), f"header length {n} does not fit in the "
+                                      f"{size}-byte file; expected a complete safetensors file "
+                                      "(truncated download?)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(str(path), f"cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(str(path), f"the safetensors header is not valid JSON ({e})") \
+            from None
+    if not isinstance(header, dict):
+        raise CheckpointError(str(path), "the safetensors header is not a JSON object")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(str(path), f"tensor {name!r} has no valid shape in the header")
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def _weight_files(d: Path) -> dict[str, str]:
+    """Tensor name -> file name, from the shard index or the single file's header."""
+    index = d / INDEX
+    if index.exists():
+        data = load_json(index, 'a JSON object with a "weight_map" of tensor name -> file')
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(str(index), 'expected a "weight_map" of tensor name -> file')
+        return wm
+    if (d / SINGLE).exists():
+        return dict.fromkeys(safetensors_shapes(d / SINGLE), SINGLE)
+    other = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+    found = f"; found {', '.join(other[:3])}, which this audit does not read" if other else ""
+    raise CheckpointError(str(d), f"no {SINGLE} or {INDEX}{found}. Save with "
+                          "save_pretrained(..., safe_serialization=True)")
+
+
+def _pick(names: list[str], suffixes: tuple[str, ...]) -> str | None:
+    hits = [n for n in names if any(n == s or n.endswith("." + s) for s in suffixes)]
+    return min(hits, key=lambda n: (len(n), n)) if hits else None  # the outermost one
+
+
+def _find_heads(d: Path) -> tuple[TensorInfo, TensorInfo | None]:
+    files = _weight_files(d)
+    names = sorted(files)
+    emb_name, head_name = _pick(names, _EMBEDDING), _pick(names, _HEAD)
+    if head_name is None and "output.weight" in files:
+        head_name = "output.weight"  # original Llama layout: top level only
+    if emb_name is None:
+        where = INDEX if (d / INDEX).exists() else SINGLE
+        raise CheckpointError(str(d / where), "no token embedding tensor; expected a name "
+                              f"ending in one of {', '.join(_EMBEDDING)}")
+    cache: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    def info(name: str) -> TensorInfo:
+        file = files[name]
+        if file not in cache:
+            cache[file] = safetensors_shapes(d / file)
+        shape = cache[file].get(name)
+        if shape is None or len(shape) != 2:
+            raise CheckpointError(str(d / file), f"expected a 2-D tensor {name!r} (rows, hidden), "
+                                  f"got {'none' if shape is None else list(shape)}")
+        return TensorInfo(name, shape, file)
+
+    return info(emb_name), None if head_name is None else info(head_name)
+
+
+@dataclass(frozen=True)
+class CheckpointAudit:
+    """What `guard audit PATH` reports: where each size came from, and the audit."""
+
+    path: str
+    config_vocab_size: int | None
+    real_source: str
+    embedding: TensorInfo
+    lm_head: TensorInfo | None  # None: absent from the checkpoint, tied to the embedding
+    tie_source: str
+    audit: Audit
+
+    @property
+    def ok(self) -> bool:
+        return self.audit.ok
+
+    def to_dict(self) -> dict[str, object]:
+        def tensor(t: TensorInfo | None) -> dict[str, object] | None:
+            return None if t is None else {"name": t.name, "shape": list(t.shape), "file": t.file}
+
+        return {"path": self.path, "config_vocab_size": self.config_vocab_size,
+                "real_source": self.real_source, "embedding": tensor(self.embedding),
+                "lm_head": tensor(self.lm_head), "tie_source": self.tie_source,
+                "audit": self.audit.to_dict(), "ok": self.ok}
+
+    def __str__(self) -> str:
+        e, h = self.embedding, self.lm_head
+        head = (f"{h.name} {list(h.shape)} in {h.file}" if h is not None
+                else "absent from the checkpoint (tied to the embedding)")
+        lines = [
+            f"checkpoint {self.path}",
+            f"  config.json   vocab_size={self.config_vocab_size}",
+            f"  tokenizer     real vocab {self.audit.real} from {self.real_source}",
+            f"  embedding     {e.name} {list(e.shape)} in {e.file}",
+            f"  lm_head       {head}",
+            f"  tied          {'yes' if self.audit.tied else 'no'} ({self.tie_source})",
+        ]
+        return "\n".join(lines) + "\n" + str(self.audit)
+
+
+def audit_checkpoint(path: str | Path, *, tensor_parallel: int = 1, pad_multiple: int = 64,
+                     vocab_size: int | None = None) -> CheckpointAudit:
+    """Audit a model directory; raises CheckpointError when it cannot be read."""
+    d = Path(path)
+    if not d.is_dir():
+        raise CheckpointError(str(d), "not a directory; expected a Hugging Face model "
+                              "directory (config.json, tokenizer files, *.safetensors)")
+    config = load_json(d / "config.json", "the model's config.json (a JSON object)")
+    if not isinstance(config, dict):
+        raise CheckpointError(str(d / "config.json"), "expected a JSON object")
+    # Multimodal configs keep the language model's vocab under text_config.
+    sub = config.get("text_config")
+    text: dict[str, Any] = sub if isinstance(sub, dict) else {}
+    cfg_vocab = config.get("vocab_size", text.get("vocab_size"))
+    cfg_vocab = cfg_vocab if isinstance(cfg_vocab, int) else None
+    tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+
+    emb, head = _find_heads(d)
+    problems: list[str] = []
+    if head is None:
+        tied, tie_source = True, "no lm_head weight in the checkpoint"
+        if tie is False:
+            problems.append("config.json says tie_word_embeddings: false but the checkpoint has "
+                            "no lm_head weight: loading it initialises a random output head")
+    elif isinstance(tie, bool):
+        tied, tie_source = tie, f"config.json tie_word_embeddings: {str(tie).lower()}"
+    else:
+        tied, tie_source = False, "lm_head weight saved, no tie_word_embeddings in config.json"
+    rows = (head or emb).shape[0]
+    if cfg_vocab is not None and cfg_vocab != rows:
+        problems.append(f"config.json vocab_size {cfg_vocab} != {rows} rows of "
+                        f"{(head or emb).name}: the config and the weights disagree")
+
+    if vocab_size is not None:
+        real, source = vocab_size, "--vocab-size"
+    else:
+        found, source = tokenizer_vocab(d)
+        real = found if found is not None else rows
+        if found is None:
+            source += f"; assumed = rows ({rows}), pass --vocab-size to audit the tokenizer"
+    aud = audit_sizes(real=real, rows=rows, embedding_rows=emb.shape[0], tied=tied,
+                      pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
+    if problems:
+        aud = replace(aud, vocab_problems=aud.vocab_problems + tuple(problems))
+    return CheckpointAudit(str(d), cfg_vocab, source, emb, head, tie_source, aud)

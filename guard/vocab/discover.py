@@ -1,0 +1,160 @@
+"""Finding the token embedding and the output head (lm_head) of a model."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+from guard.errors import AttachError
+
+__all__ = ["Heads", "discover", "unwrap_compiled"]
+
+# Names used by nanoGPT, HF, Llama-style and Megatron-style code for the output projection.
+_HEAD_NAMES = ("lm_head", "output", "head", "output_layer", "embed_out", "cls")
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The two modules the guard hooks, and whether they share one weight."""
+
+    embedding: nn.Module
+    lm_head: nn.Module
+    embedding_name: str
+    lm_head_name: str
+
+    @property
+    def tied(self) -> bool:
+        w_in, w_out = _weight(self.embedding), _weight(self.lm_head)
+        return w_in is not None and w_in is w_out
+
+    @property
+    def embedding_rows(self) -> int:
+        return _rows(self.embedding, self.embedding_name)
+
+    @property
+    def head_rows(self) -> int:
+        return _rows(self.lm_head, self.lm_head_name)
+
+
+def _weight(m: nn.Module) -> object:
+    return getattr(m, "weight", None)
+
+
+def _rows(m: nn.Module, name: str) -> int:
+    w = getattr(m, "weight", None)
+    if w is None or w.dim() != 2:
+        raise AttachError(
+            f"{name} ({type(m).__name__}) has no 2-D weight; pass embedding= / lm_head="
+        )
+    return int(w.shape[0])  # Embedding (rows, d) and Linear (out, in) both keep the vocab first
+
+
+def _name_of(model: nn.Module, target: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is target:
+            return name or "<model>"
+    return f"<{type(target).__name__} outside the model>"
+
+
+def _hf_heads(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    if not (callable(get_in) and callable(get_out)):
+        return None, None
+    try:
+        return get_in(), get_out()
+    except (NotImplementedError, AttributeError):
+        return None, None
+
+
+def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    named = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in _HEAD_NAMES]
+    if len(named) == 1:
+        return named[0][1]
+    # Without a name, the head is the Linear whose outputs match an embedding's rows.
+    if emb is not None:
+        rows = {getattr(emb, "num_embeddings", None)}
+    else:
+        rows = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    shaped = [(n, m) for n, m in linears if m.out_features in rows]
+    if len(shaped) == 1:
+        return shaped[0][1]
+    seen = ", ".join(
+        f"{n} (Linear {m.in_features}->{m.out_features})" for n, m in (named or shaped)
+    )
+    wanted = " or ".join(str(r) for r in sorted(r for r in rows if r is not None)) or "vocab"
+    raise AttachError(
+        "cannot find the output head: "
+        + (f"several candidates: {seen}" if seen else "no nn.Linear named lm_head/output/head "
+           f"and none with {wanted} outputs")
+        + "; pass lm_head=<the module that produces the logits>"
+    )
+
+
+def _find_embedding(model: nn.Module, head: nn.Module) -> nn.Module:
+    embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    tied = [(n, m) for n, m in embs if m.weight is getattr(head, "weight", None)]
+    if len(tied) == 1:
+        return tied[0][1]
+    rows = getattr(head, "out_features", None)
+    shaped = [(n, m) for n, m in embs if m.num_embeddings == rows]
+    if len(shaped) == 1:
+        return shaped[0][1]
+    if not shaped and len(embs) == 1:
+        return embs[0][1]
+    seen = ", ".join(f"{n} (Embedding {m.num_embeddings}x{m.embedding_dim})" for n, m in embs)
+    raise AttachError(
+        "cannot find the token embedding: "
+        + (f"candidates {seen}" if seen else "the model has no nn.Embedding")
+        + "; pass embedding=<the token embedding module>"
+    )
+
+
+def unwrap_compiled(model: object) -> nn.Module:
+    """The original module of a torch.compile'd one: the guard hooks it, and the compiled
+    forward runs (and traces) those hooks. A module is returned as it is; anything else is an
+    AttachError."""
+    # Never imported: nothing was compiled.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        orig = model._modules.get("_orig_mod", model.__dict__.get("_orig_mod"))
+        if not isinstance(orig, nn.Module):
+            raise AttachError(
+                "cannot reach the original module of this torch.compile'd model (its _orig_mod "
+                f"is {type(orig).__name__}); attach to the module itself, before or after "
+                "compiling it: g = guard.attach(model); model = torch.compile(model)")
+        return orig
+    orig_fn = None if eval_frame is None else getattr(model, "_torchdynamo_orig_callable", None)
+    if orig_fn is not None:
+        owner = getattr(orig_fn, "__self__", None)
+        what = (f"the compiled {type(owner).__name__}.{orig_fn.__name__}"
+                if isinstance(owner, nn.Module) else f"a compiled {type(orig_fn).__name__}")
+        raise AttachError(
+            f"attach needs the model module, got {what} (a torch.compile'd function, not a "
+            "module: the guard cannot reach the module it calls); attach to the module and "
+            "compile the module: g = guard.attach(model); model = torch.compile(model)")
+    if not isinstance(model, nn.Module):
+        raise AttachError(f"attach needs a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def discover(
+    model: nn.Module, *, embedding: nn.Module | None = None, lm_head: nn.Module | None = None
+) -> Heads:
+    """Explicit modules win, then HF accessors, then names and shapes (nanoGPT wte / lm_head)."""
+    hf_in, hf_out = _hf_heads(model)
+    emb = embedding or hf_in
+    head = lm_head or hf_out
+    if head is None:
+        head = _find_head(model, emb)
+    if emb is None:
+        emb = _find_embedding(model, head)
+    for label, m in (("embedding", emb), ("lm_head", head)):
+        if not isinstance(m, nn.Module):
+            raise AttachError(f"{label} must be an nn.Module, got {type(m).__name__}")
+    heads = Heads(emb, head, _name_of(model, emb), _name_of(model, head))
+    heads.embedding_rows, heads.head_rows  # noqa: B018 - raises AttachError early on odd modules
+    return heads

@@ -1,0 +1,78 @@
+"""POST /v1/reports: authenticate, bound, validate, then store a batch (or store nothing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import ValidationError
+
+from guard_server.auth import authorized
+from guard_server.deps import SettingsDep, StoreDep
+from guard_server.errors import BodyTooLargeError, CapacityError
+from guard_server.limits import read_body
+from guard_server.responses import Accepted, Problem, ValidationProblem
+from guard_server.wire import ReportBatch
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["ingest"])
+
+
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    # The request body is parsed by hand (see below), so FastAPI cannot document it; pydantic's
+    # schema points into its own "$defs", which do not exist at the OpenAPI document's root.
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {key: _inline_refs(value, defs) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(item, defs) for item in node]
+    return node
+
+
+def _request_body() -> dict[str, Any]:
+    schema = ReportBatch.model_json_schema()
+    body = _inline_refs(schema, schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
+
+
+@router.post(
+    "/v1/reports",
+    status_code=202,
+    response_model=Accepted,
+    summary="Push a batch of step reports from one rank of one run",
+    responses={
+        401: {"model": Problem, "description": "missing or wrong bearer token"},
+        413: {"model": Problem, "description": "body over GUARD_SERVER_MAX_BODY_BYTES"},
+        422: {"model": ValidationProblem, "description": "invalid batch; `loc` names the field"},
+        429: {"model": Problem, "description": "a new run or rank would pass the server's caps"},
+    },
+    openapi_extra=_request_body(),
+)
+async def post_reports(request: Request, settings: SettingsDep, store: StoreDep) -> Accepted:
+    """Store the batch and answer 202, or reject it whole with 401, 413, 422 or 429."""
+    # The body is read by hand rather than by a pydantic parameter: the size limit must hold
+    # on the streamed bytes, and parsing JSON straight into the model is ~2x faster.
+    if not authorized(request.headers.get("authorization"), settings.token):
+        store.reject("unauthorized")
+        raise HTTPException(
+            401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )
+    try:
+        body = await read_body(request, settings.max_body_bytes)
+    except BodyTooLargeError as exc:
+        store.reject("too_large")
+        raise HTTPException(413, str(exc)) from None
+    try:
+        batch = ReportBatch.model_validate_json(body)
+    except ValidationError as exc:
+        store.reject("invalid")
+        errors = exc.errors(include_url=False, include_context=False, include_input=False)
+        detail = [{"type": e["type"], "loc": ["body", *e["loc"]], "msg": e["msg"]} for e in errors]
+        raise HTTPException(422, detail) from None
+    try:
+        store.ingest(batch)
+    except CapacityError as exc:
+        raise HTTPException(429, str(exc)) from None
+    return Accepted(accepted=len(batch.reports))

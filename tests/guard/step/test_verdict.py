@@ -1,0 +1,103 @@
+"""The verdict from a Reading: which checks fire, on which rank, with which message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from guard.errors import GuardViolation
+from guard.policy import Action, coerce_policy
+from guard.step.reading import Reading, Values
+from guard.step.verdict import Verdict, Violation, attach_verdict, judge
+from guard.vocab.sizes import audit_sizes
+from tests.conftest import policy
+
+NONE = dict.fromkeys(("token_range", "padding_mass", "nonfinite", "loss_spike"))
+
+
+def reading(over: dict[str, int], local: Values | None = None, **glob: Any) -> Reading:
+    return Reading(local or Values(), Values(**glob), {**NONE, **over})
+
+
+def verdict(r: Reading, **checks: dict[str, Any]) -> Verdict:
+    return judge(r, coerce_policy(policy(**checks)), step=7, real=100, rows=128)
+
+
+def test_a_clean_reading_is_no_violation() -> None:
+    v = verdict(reading({}))
+    assert v.violations == () and v.fail is None and not v.skip and v.error() is None
+
+
+def test_every_rank_skips_on_the_all_reduced_values() -> None:
+    # This rank's own values are clean; rank 3's loss was NaN: the decision is taken on the
+    # combined values, so this rank drops the step too and every rank stays in lockstep.
+    r = reading({"nonfinite": 3}, nonfinite={"logits": 0, "hidden": 0, "loss": 1})
+    v = verdict(r, nonfinite={"action": "skip"})
+    assert v.skip and v.fail is None
+    (nf,) = v.violations
+    assert (nf.check, nf.action, nf.rank, nf.step, nf.value) == ("nonfinite", Action.SKIP, 3,
+                                                                 7, 1.0)
+    assert nf.message.startswith("nonfinite on rank 3 at step 7: NaN/Inf values: 1 in the loss")
+
+
+def test_padding_mass_message_gives_value_mean_columns_and_fix() -> None:
+    r = reading({"padding_mass": 0}, padding_mass=0.02, padding_mass_max=0.041)
+    (pm,) = verdict(r, padding_mass={"action": "fail"}).violations
+    assert pm.message == (
+        "padding_mass on rank 0 at step 7: 0.041 of the probability (mean 0.02) is on the 28 "
+        "padding columns [100, 128), expected <= 1e-06; stopping (action: fail). Set "
+        "checks.padding_mass.action: mask to mask them instead.")
+    assert (pm.value, pm.threshold) == (0.041, 1e-6)
+
+
+def test_causes_come_first_and_fail_names_the_others() -> None:
+    r = reading({"token_range": 1, "nonfinite": 1},
+                out_of_range={"input": 0, "label": 2},
+                nonfinite={"logits": 0, "hidden": 0, "loss": 1})
+    v = verdict(r, nonfinite={"action": "warn"})
+    assert [x.check for x in v.violations] == ["token_range", "nonfinite"]
+    err = v.error()
+    assert isinstance(err, GuardViolation) and (err.check, err.rank, err.step) == \
+        ("token_range", 1, 7)
+    assert str(err).endswith("(also at this step: nonfinite)")
+    assert "2 label ids outside [0, 100) (ignore index -100 exempt)" in str(err)
+
+
+def test_fail_wins_over_skip() -> None:
+    r = reading({"nonfinite": 0, "loss_spike": 0}, loss=50.0, spike_ratio=25.0,
+                nonfinite={"logits": 2, "hidden": 0, "loss": 0})
+    v = verdict(r, nonfinite={"action": "fail"}, loss_spike={"action": "skip"})
+    assert v.fail is not None and v.fail.check == "nonfinite" and not v.skip
+
+
+def test_loss_spike_message_gives_the_ratio_and_the_window() -> None:
+    r = reading({"loss_spike": 0}, loss=50.0, spike_ratio=25.0)
+    (ls,) = verdict(r, loss_spike={"action": "warn"}).violations
+    assert ls.message.startswith("loss_spike on rank 0 at step 7: loss 50 is 25x the median "
+                                 "of its last 100 losses, expected <= 10x")
+
+
+def test_a_check_that_is_off_never_fires() -> None:
+    r = reading({"token_range": 0}, out_of_range={"input": 1, "label": 0})
+    assert verdict(r, token_range={"action": "off"}).violations == ()
+
+
+@pytest.mark.parametrize(("action", "next_"), [("fail", "stopping before the first step"),
+                                               ("warn", "continuing (action: warn)")])
+def test_attach_verdict_for_an_unaligned_head(action: str, next_: str) -> None:
+    audit = audit_sizes(real=90, rows=100, embedding_rows=100, tied=True)
+    v = attach_verdict(audit, coerce_policy(policy(alignment={"action": action})), rank=0)
+    (al,) = v.violations
+    assert (al.check, al.step, al.value, al.threshold) == ("alignment", 0, 100.0, 64.0)
+    assert next_ in al.message and "build embedding and lm_head with 128 rows" in al.message
+    assert (v.fail is not None) == (action == "fail")
+
+
+def test_the_error_keeps_the_violations_data() -> None:
+    v = Verdict((Violation("padding_mass", Action.FAIL, 3, "m", rank=2, value=0.5,
+                          threshold=1e-6),))
+    err = v.error()
+    assert err is not None
+    assert (err.check, err.step, err.rank, err.value, err.threshold, err.action) == \
+        ("padding_mass", 3, 2, 0.5, 1e-6, "fail")
