@@ -31,11 +31,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import guard  # noqa: E402
-from guard.demo.model import GPT, GPTConfig  # noqa: E402
+# Runs against the installed package (scripts/bootstrap: pip install -e .).
+import guard
+from guard.demo.model import GPT, GPTConfig
 
 REAL, ROWS = 50257, 50304  # GPT-2's tokenizer, padded to a multiple of 64
 QUIET = {"export": {"serve": None}}

@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import guard
 from guard.demo.model import GPT, GPTConfig

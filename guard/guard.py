@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from guard.device.compile import drop_compiled
 from guard.device.flags import Flags
 from guard.device.loss import LossShares, StepLoss, check_loss_options
 from guard.device.probe import Probe, ProbeConfig
@@ -26,7 +27,7 @@ from guard.step.episodes import Episodes
 from guard.step.reading import Reading
 from guard.step.record import Record
 from guard.step.verdict import Verdict, attach_verdict, judge
-from guard.vocab.discover import Heads, discover, unwrap_compiled
+from guard.vocab.discover import Heads, discover, unwrap
 from guard.vocab.sizes import Audit, audit_sizes, real_vocab, shard_sizes
 
 __all__ = ["Guard", "attach", "audit"]
@@ -151,12 +152,18 @@ class Guard:
         if self.episodes is not None and self.optimizer is not None:
             self.handles += self.episodes.install(self.probe.flags)
         _ATTACHED[self.model] = weakref.ref(self)
+        if drop_compiled(self.model):
+            log.info("guard: dropped torch.compile's cached graphs of this model, traced without "
+                     "the guard's hooks; the next training step recompiles once")
 
     def _remove(self) -> None:
         """Every hook and the registry entry; idempotent (detach and a failed attach)."""
+        hooked = bool(self.handles)
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        if hooked:
+            drop_compiled(self.model)  # graphs traced with the hooks would go on running them
         if self.episodes is not None:
             self.episodes.close()
         if (held := _ATTACHED.get(self.model)) is not None and held() is self:
@@ -167,7 +174,7 @@ class Guard:
     def _judge(self, reading: Reading, step: int, *, rerun: bool) -> Verdict:
         self.record.update(reading.local, step)
         verdict = judge(reading, self.policy, step=step, real=self.probe.cfg.real,
-                        rows=self.rows)
+                        rows=self.rows, head=self.heads.lm_head_name)
         if self.episodes is not None:
             verdict, note = self.episodes.annotate(verdict, rerun_now=rerun,
                                                    step=self.clock.step, rank=self.rank)
@@ -209,7 +216,7 @@ def audit(model: nn.Module, *, vocab_size: int | None = None, tokenizer: Any = N
           tensor_parallel: int = 1, pad_multiple: int = 64, embedding: nn.Module | None = None,
           lm_head: nn.Module | None = None) -> Audit:
     """The three vocab sizes of `model`, tied or not, and alignment for TP 1/2/4/8."""
-    heads = discover(unwrap_compiled(model), embedding=embedding, lm_head=lm_head)
+    heads = discover(unwrap(model), embedding=embedding, lm_head=lm_head)
     real = real_vocab({"vocab_size=": vocab_size}, tokenizer, heads.head_rows)
     return audit_sizes(real=real, rows=heads.head_rows, embedding_rows=heads.embedding_rows,
                        tied=heads.tied, pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
@@ -237,7 +244,7 @@ def attach(
     loss is the sum of its micro-batches' losses, times `loss_scale` (HF Trainer).
     """
     pol = coerce_policy(policy)
-    model = unwrap_compiled(model)
+    model = unwrap(model)
     check_boundaries(pol, optimizer, steps)
     check_loss_options(loss_shares, loss_scale)
     if (ref := _ATTACHED.get(model)) is not None and (held := ref()) is not None:

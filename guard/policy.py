@@ -106,6 +106,15 @@ class LossSpikeCheck(_Strict):
         return self
 
 
+class CoverageCheck(_Strict):
+    """Every enabled per-step check saw its data in each training step: logits through the
+    head, labels, a loss (guard/step/verdict.py says what each needs)."""
+
+    # warn: a blind check is a setup to fix, not a broken step; it is logged at its first
+    # blind step and counted every step (alert GuardBlind).
+    action: Literal["fail", "warn", "off"] = "warn"
+
+
 class Checks(_Strict):
     alignment: AttachCheck = AttachCheck()
     vocab: AttachCheck = AttachCheck()
@@ -113,6 +122,7 @@ class Checks(_Strict):
     nonfinite: NonfiniteCheck = NonfiniteCheck()
     token_range: TokenRangeCheck = TokenRangeCheck()
     loss_spike: LossSpikeCheck = LossSpikeCheck()
+    coverage: CoverageCheck = CoverageCheck()
 
 
 class VocabSection(_Strict):

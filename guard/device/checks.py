@@ -16,6 +16,7 @@ __all__ = [
     "masked_logits",
     "nonfinite_count",
     "out_of_range_count",
+    "out_of_range_parts",
     "padding_mass",
     "padding_mass_parts",
     "sample_rows",
@@ -115,6 +116,19 @@ def out_of_range_count(
     if ignore_index is not None:
         bad &= ids != ignore_index
     return bad.sum()
+
+
+def out_of_range_parts(
+    ids: torch.Tensor, vocab_real: int, ignore_index: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids outside [0, vocab_real), those of them below 0, the highest id >= vocab_real or 0),
+    each 0-dim: the counts and what the message needs to tell a ghost from a setting."""
+    bad = (ids < 0) | (ids >= vocab_real)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    negative = bad & (ids < 0)
+    top = torch.where(ids >= vocab_real, ids, 0).amax() if ids.numel() else ids.new_zeros(())
+    return bad.sum(), negative.sum(), top
 
 
 def mask_padding_(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:

@@ -13,10 +13,12 @@ import torch.distributed as dist
 from guard.policy import Policy
 from guard.step.reading import Reading, Values
 
-__all__ = ["Flags", "NonfiniteKind", "TokenKind"]
+__all__ = ["Flags", "NonfiniteKind", "SeenKind", "TokenKind"]
 
 NonfiniteKind = Literal["logits", "hidden", "loss"]
 TokenKind = Literal["input", "label"]
+# What the per-step checks need to see in a training step (the coverage check).
+SeenKind = Literal["logits", "labels", "loss"]
 
 
 class _Slot(IntEnum):
@@ -34,19 +36,37 @@ class _Slot(IntEnum):
     LOSS_SEEN = 9  # 1 when a loss was recorded since the last read
     SPIKE = 10  # loss_spike: 1 when the loss crossed the spike rule (max-combined)
     SPIKE_RATIO = 11  # loss / reference at the worst step (max-combined)
+    SEEN_LOGITS = 12  # 1 once the current step's logits were measured (reset each step)
+    SEEN_LABELS = 13  # 1 once the current step's labels were checked (reset each step)
+    SEEN_LOSS = 14  # 1 once the current step's loss was folded (reset each step)
+    BLIND_LOGITS = 15  # steps of the window in which no logits were measured
+    BLIND_LABELS = 16  # steps of the window in which no labels were checked
+    BLIND_LOSS = 17  # steps of the window in which no loss was seen
+    FUSED = 18  # forwards whose logits were measured from the final hidden states (no head call)
+    NEGATIVE_LABELS = 19  # labels < 0 other than the ignore index (among OOR_LABEL)
+    MAX_ID = 20  # the highest id >= real seen (max-combined); 0 when none
 
 
 _NONFINITE: dict[str, _Slot] = {"logits": _Slot.NF_LOGITS, "hidden": _Slot.NF_HIDDEN,
                                 "loss": _Slot.NF_LOSS}
 _TOKENS: dict[str, _Slot] = {"input": _Slot.OOR_INPUT, "label": _Slot.OOR_LABEL}
+_SEEN: dict[str, _Slot] = {"logits": _Slot.SEEN_LOGITS, "labels": _Slot.SEEN_LABELS,
+                           "loss": _Slot.SEEN_LOSS}
+_BLIND: dict[str, _Slot] = {"logits": _Slot.BLIND_LOGITS, "labels": _Slot.BLIND_LABELS,
+                            "loss": _Slot.BLIND_LOSS}
+# Which per-step checks need each kind of data (DESIGN.md, coverage).
+NEEDS: dict[str, tuple[str, ...]] = {"logits": ("padding_mass", "nonfinite"),
+                                     "labels": ("token_range",),
+                                     "loss": ("nonfinite", "loss_spike")}
 # Per per-step check, the slots whose threshold it has (the other slots: inf, never crossed).
 _CHECK_SLOTS: dict[str, tuple[_Slot, ...]] = {
     "token_range": tuple(_TOKENS.values()),
     "padding_mass": (_Slot.PM_MAX,),
     "nonfinite": tuple(_NONFINITE.values()),
     "loss_spike": (_Slot.SPIKE,),
+    "coverage": tuple(_BLIND.values()),
 }
-_MAX_SLOTS = frozenset({_Slot.PM_MAX, _Slot.SPIKE, _Slot.SPIKE_RATIO})
+_MAX_SLOTS = frozenset({_Slot.PM_MAX, _Slot.SPIKE, _Slot.SPIKE_RATIO, _Slot.MAX_ID})
 
 # (local, max-reduced over ranks, 1 + highest rank over its threshold or 0) per slot.
 _Raw = tuple[list[float], list[float], list[float]]
@@ -66,6 +86,10 @@ def _thresholds(policy: Policy) -> list[float]:
         for slot in slots:
             out[slot] = 0.0
     out[_Slot.PM_MAX] = policy.checks.padding_mass.threshold
+    # A blind step is a coverage violation only where a check that needs the data is on.
+    for kind, slot in _BLIND.items():
+        if not (policy.enabled("coverage") and any(policy.enabled(c) for c in NEEDS[kind])):
+            out[slot] = float("inf")
     return out
 
 
@@ -110,8 +134,27 @@ class Flags:
         """At least `n` non-finite values (a detection, not a count: max, not sum)."""
         self._max(_NONFINITE[kind], n)
 
-    def add_out_of_range(self, kind: TokenKind, n: torch.Tensor) -> None:
+    def add_out_of_range(self, kind: TokenKind, n: torch.Tensor, negative: torch.Tensor,
+                         top: torch.Tensor) -> None:
+        """`n` ids out of range, `negative` of them below 0, the highest of them `top`."""
         self._add(_TOKENS[kind], n)
+        if kind == "label":
+            self._add(_Slot.NEGATIVE_LABELS, negative)
+        self._max(_Slot.MAX_ID, top)
+
+    def saw(self, kind: SeenKind) -> None:
+        """This step's `kind` reached the guard (a device write: fine under torch.compile)."""
+        self.t[_SEEN[kind]].fill_(1.0)
+
+    def add_fused(self) -> None:
+        """A forward whose logits were measured from the final hidden states."""
+        self.t[_Slot.FUSED].add_(1.0)
+
+    def end_step(self) -> None:
+        """At a step boundary: count what the step did not see, and start the next one."""
+        seen = self.t[_Slot.SEEN_LOGITS : _Slot.SEEN_LOSS + 1]  # (3,), in _BLIND's order
+        self.t[_Slot.BLIND_LOGITS : _Slot.BLIND_LOSS + 1].add_(seen == 0)
+        seen.zero_()
 
     def set_loss(self, loss: torch.Tensor) -> None:
         self.t[_Slot.LOSS].copy_(self._accept(loss))
@@ -206,6 +249,10 @@ def _values(v: list[float]) -> Values:
         out_of_range={kind: int(v[slot]) for kind, slot in _TOKENS.items()},
         loss=v[_Slot.LOSS] if v[_Slot.LOSS_SEEN] else None,
         spike_ratio=v[_Slot.SPIKE_RATIO],
+        blind={kind: int(v[slot]) for kind, slot in _BLIND.items()},
+        fused=int(v[_Slot.FUSED]),
+        negative_labels=int(v[_Slot.NEGATIVE_LABELS]),
+        max_id=int(v[_Slot.MAX_ID]),
     )
 
 

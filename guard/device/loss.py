@@ -163,6 +163,7 @@ class StepLoss:
         f = self.flags
         f.follow(loss.device)
         f.set_loss(loss.to(f.t.dtype))
+        f.saw("loss")
         self._count(loss)
         if self.spike is not None:
             self.spike.follow(f.device, f.t.dtype)

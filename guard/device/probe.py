@@ -15,7 +15,7 @@ from guard.device.checks import (
     chunk_rows,
     masked_logits,
     nonfinite_count,
-    out_of_range_count,
+    out_of_range_parts,
     padding_mass_parts,
     sample_rows,
     sample_rows_at,
@@ -72,8 +72,9 @@ class ProbeConfig:
 
 
 def find_loss(output: Any) -> torch.Tensor | None:
-    """The scalar loss in a model's output: HF `.loss`, a dict's 'loss', or nanoGPT's tuple."""
-    cand = getattr(output, "loss", None)
+    """The scalar loss in a model's output: HF `.loss`, a dict's 'loss', nanoGPT's tuple, or
+    the output itself when it is a 0-dim float tensor."""
+    cand = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
     if cand is None and isinstance(output, dict):
         cand = output.get("loss")
     if cand is None and isinstance(output, tuple | list):
@@ -104,6 +105,12 @@ class Probe:
         # The sampling offset as a device tensor too, for compiled forwards (`_sample`).
         self._offset = torch.zeros((), dtype=torch.int64)
         self._label_pos: int | None = None
+        # This forward's final hidden states, and whether it called the head: a forward that
+        # computes its loss from the head's weight without calling it (a fused
+        # linear-cross-entropy kernel) is measured from the hidden states instead.
+        self._hidden: torch.Tensor | None = None
+        self._head_called = False
+        self._head: nn.Module | None = None
 
     def begin(self, step: int) -> None:
         """A new step starts: move the sampling offset (a device write, never a read)."""
@@ -113,6 +120,7 @@ class Probe:
     def install(self, model: nn.Module, heads: Heads) -> list[RemovableHandle]:
         """Hooks for the enabled checks only: a check that is off costs nothing."""
         self._label_pos = labels_position(model)
+        self._head = heads.lm_head
         c = self.cfg
         eager_at_top_level(self._model_pre, self._model_post)
         handles = [model.register_forward_pre_hook(self._model_pre, with_kwargs=True)]
@@ -122,6 +130,8 @@ class Probe:
             handles.append(heads.lm_head.register_forward_pre_hook(self._head_pre))
         if c.padding_mass or c.mask or c.nonfinite:
             handles.append(heads.lm_head.register_forward_hook(self._head_post))
+            if heads.final_norm is not None:
+                handles.append(heads.final_norm.register_forward_hook(self._hidden_post))
         handles.append(model.register_forward_hook(self._model_post))
         return handles
 
@@ -130,19 +140,23 @@ class Probe:
     def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training and args and isinstance(args[0], torch.Tensor):
             with torch.no_grad():
-                n = out_of_range_count(args[0], self.cfg.real, None)
-                self.flags.add_out_of_range("input", n)
+                self.flags.add_out_of_range("input", *out_of_range_parts(args[0], self.cfg.real,
+                                                                         None))
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not (module.training and self.cfg.token_range):
+        if not module.training:
+            return
+        self._hidden, self._head_called = None, False
+        if not self.cfg.token_range:
             return
         labels = next((kwargs[k] for k in _LABEL_KWARGS if k in kwargs), None)
         if labels is None and self._label_pos is not None and len(args) > self._label_pos:
             labels = args[self._label_pos]
         if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
+            self.flags.saw("labels")
             with torch.no_grad():
-                n = out_of_range_count(labels, self.cfg.real, self.cfg.ignore_index)
-                self.flags.add_out_of_range("label", n)
+                parts = out_of_range_parts(labels, self.cfg.real, self.cfg.ignore_index)
+                self.flags.add_out_of_range("label", *parts)
 
     def _head_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training and args and isinstance(args[0], torch.Tensor):
@@ -155,7 +169,9 @@ class Probe:
             return None
         c = self.cfg
         if module.training:
+            self._head_called = True
             self.flags.follow(logits.device)
+            self.flags.saw("logits")
             with torch.no_grad():
                 self._measure(logits.detach())
         if c.mask:
@@ -163,11 +179,40 @@ class Probe:
             return masked_logits(logits, c.real_columns)
         return None
 
+    def _hidden_post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if module.training and isinstance(out, torch.Tensor):
+            self._hidden = out  # a reference: autograd keeps it alive anyway
+
     def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if module.training:
-            loss = find_loss(output)
-            if loss is not None:
-                self.loss.record(loss)
+        if not module.training:
+            return
+        loss = find_loss(output)
+        if loss is not None:
+            self.loss.record(loss)
+        hidden, self._hidden = self._hidden, None
+        if hidden is not None and not self._head_called:
+            self._measure_fused(hidden)
+
+    def _measure_fused(self, hidden: torch.Tensor) -> None:
+        """The forward computed its loss from the head's weight without calling the head (a
+        fused linear-cross-entropy kernel, F.linear(h, wte.weight)): the logits of a sample of
+        positions, from the final hidden states, measured as the head's would be. The mask
+        cannot reach a fused kernel's logits; the verdict says so."""
+        head = self._head
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or hidden.shape[-1] != weight.shape[-1]:
+            return
+        bias = getattr(head, "bias", None)
+        self.flags.follow(hidden.device)
+        self.flags.saw("logits")
+        self.flags.add_fused()
+        with torch.no_grad():
+            positions = self._sample(hidden.detach().reshape(-1, hidden.shape[-1]))  # (n, d)
+            if self.cfg.nonfinite:
+                self.flags.add_nonfinite("hidden", nonfinite_count(positions))
+            logits = torch.nn.functional.linear(positions.to(weight.dtype), weight,
+                                                bias if isinstance(bias, torch.Tensor) else None)
+            self._reduce(logits)  # (n, rows): already a sample
 
     # -- the logits' reductions --------------------------------------------------------------
 
@@ -183,11 +228,21 @@ class Probe:
         return sample_rows(flat, c.sample_tokens, self._step)
 
     def _measure(self, logits: torch.Tensor) -> None:
+        c = self.cfg
+        flat = logits.reshape(-1, c.rows)  # (tokens, rows); a view for contiguous logits
+        self._reduce(self._sample(flat))
+        if c.nonfinite and not c.exact and logits.dtype == torch.float16:
+            # float16 logits can overflow at single (position, column) pairs the sample misses;
+            # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
+            # check and the sample (every position sees every weight) already catch.
+            total = flat[:, : c.real_columns].sum(dtype=torch.float32)
+            self.flags.nonfinite_at_least("logits", torch.isfinite(total).logical_not())
+
+    def _reduce(self, positions: torch.Tensor) -> None:
+        """Padding mass and non-finite counts of (n, rows) sampled logits, in chunks."""
         c, f = self.cfg, self.flags
         real = c.real_columns
-        flat = logits.reshape(-1, c.rows)  # (tokens, rows); a view for contiguous logits
-        positions = self._sample(flat)  # (n, rows)
-        per_chunk = chunk_rows(c.rows, flat.device)
+        per_chunk = chunk_rows(c.rows, positions.device)
         measure_mass = c.padding_mass and real < c.rows
         for i in range(0, positions.shape[0], per_chunk):
             chunk = positions[i : i + per_chunk]  # (n, rows)
@@ -204,9 +259,3 @@ class Probe:
                 # logsumexp (or sum) non-finite: counted per position, from values already
                 # reduced.
                 f.add_nonfinite("logits", nonfinite_count(lse_real))
-        if c.nonfinite and not c.exact and logits.dtype == torch.float16:
-            # float16 logits can overflow at single (position, column) pairs the sample misses;
-            # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
-            # check and the sample (every position sees every weight) already catch.
-            total = flat[:, :real].sum(dtype=torch.float32)
-            f.nonfinite_at_least("logits", torch.isfinite(total).logical_not())

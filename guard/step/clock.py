@@ -129,6 +129,7 @@ class StepClock:
         self.step += 1
         self.probe.begin(self.step)
         self.loss.fold()
+        self.flags.end_step()
         if self.step % self.read_every:
             return False
         # On the CPU a copy to the host is the read itself: nothing to gain from lagging.
@@ -143,10 +144,11 @@ class StepClock:
     def finish(self) -> Iterator[tuple[Reading, int]]:
         """At detach: the readings still unread, with their steps, read locally (one rank may
         detach alone, after an exception: a collective the others do not join would hang)."""
-        if self._pending:
+        self.loss.fold()
+        if self._pending:  # a forward-boundary step that no next forward closed
             self._pending = False
             self.step += 1
-        self.loss.fold()
+            self.flags.end_step()
         queued = self.flags.flush()
         if queued is not None:
             yield queued, self._read_step

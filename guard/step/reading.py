@@ -18,6 +18,11 @@ class Values:
     out_of_range: dict[str, int] = field(default_factory=lambda: {"input": 0, "label": 0})
     loss: float | None = None  # the step's loss; None: no loss was seen
     spike_ratio: float = 0.0  # loss / median of the history at the worst spike, else 0
+    # Training steps of the window in which no logits / labels / loss reached the guard.
+    blind: dict[str, int] = field(default_factory=lambda: {"logits": 0, "labels": 0, "loss": 0})
+    fused: int = 0  # forwards measured from the final hidden states: the head was not called
+    negative_labels: int = 0  # of out_of_range["label"], those below 0
+    max_id: int = 0  # the highest out-of-range id >= real; 0 when none
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ class Record:
         self._stats = empty_stats()
         self._violations: dict[str, Counter[str]] = {}
         self._events: list[Event] = []
+        self._once: set[str] = set()  # keys of violations logged and reported already
 
     @classmethod
     def from_policy(cls, policy: Policy, audit: Audit, rank: int) -> Record:
@@ -125,10 +126,16 @@ class Record:
 
     def _add(self, v: Violation) -> None:
         counts = self._violations.setdefault(v.check, Counter())
-        counts[v.action.value] += 1
+        counts[v.action.value] += v.count
+        if v.once is not None:
+            if v.once in self._once:
+                return
+            self._once.add(v.once)
         self._events.append(_event(v))
         n = counts[v.action.value]
-        if v.action is not Action.FAIL and (n <= _LOG_FIRST or n % _LOG_EVERY == 0):
+        if v.once is not None and v.action is not Action.FAIL:
+            log.warning("%s", v.message)
+        elif v.action is not Action.FAIL and (n <= _LOG_FIRST or n % _LOG_EVERY == 0):
             suffix = f" (occurrence {n})" if n > 1 else ""
             log.warning("%s%s", v.message, suffix)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from guard.device.flags import NEEDS
 from guard.errors import GuardViolation
 from guard.policy import Action, Policy
 from guard.step.reading import Reading, Values
@@ -40,6 +41,8 @@ class Violation(Note):
     rank: int
     value: float
     threshold: float
+    count: int = 1  # training steps it stands for (coverage counts each blind step)
+    once: str | None = None  # a key: only the first violation with it is logged and reported
 
 
 @dataclass(frozen=True)
@@ -93,59 +96,118 @@ class _Context:
     next: str  # what happens next, from the action
     real: int
     rows: int
+    head: str  # the head's name in the model
 
 
-def _token_range(c: _Context) -> tuple[float, float, str]:
+@dataclass(frozen=True)
+class _Found:
+    value: float
+    threshold: float
+    text: str
+    count: int = 1
+    once: str | None = None
+
+
+def _token_range(c: _Context) -> _Found:
     seen, total = _seen(c.glob.out_of_range, "{n} {k} ids", " and ")
     ignore = c.policy.checks.token_range.ignore_index
     exempt = "" if ignore is None else f" (ignore index {ignore} exempt)"
-    return total, 0.0, (
-        f"{seen} outside [0, {c.real}){exempt}: ids in [{c.real}, {c.rows}) are ghost tokens the "
-        f"tokenizer cannot produce; {c.next}. Check the tokenizer / data pipeline against "
-        f"vocab {c.real}.")
+    why = []
+    if (neg := c.glob.negative_labels) > 0:
+        why.append(f"{neg} labels are negative: if they mark positions to ignore, set "
+                   "checks.token_range.ignore_index to their value (nanoGPT ignores -1: "
+                   "ignore_index: -1)")
+    if c.real <= (top := c.glob.max_id) < c.rows:
+        why.append(f"ids in [{c.real}, {c.rows}) (highest {top}) are ghost tokens the tokenizer "
+                   f"cannot produce, unless the real vocab is larger than {c.real}: special "
+                   "tokens can sit above a configured vocab size (Llama-3 reserves 256 ids above "
+                   "128000 that config.vocab_size leaves out); then pass tokenizer= or set "
+                   "vocab.real_size")
+    elif top >= c.rows:
+        why.append(f"ids >= {c.rows} (highest {top}) have no row at all")
+    return _Found(total, 0.0, (
+        f"{seen} outside [0, {c.real}){exempt}: {'; '.join(why) or 'out of range'}; {c.next}. "
+        f"Check the tokenizer / data pipeline against vocab {c.real}."))
 
 
-def _padding_mass(c: _Context) -> tuple[float, float, str]:
+def _padding_mass(c: _Context) -> _Found:
     top, mean = c.glob.padding_mass_max or 0.0, c.glob.padding_mass or 0.0
     threshold = c.policy.checks.padding_mass.threshold
     fix = ("The mask removes it from softmax and gradient." if c.policy.masks
            else "Set checks.padding_mass.action: mask to mask them instead.")
-    return top, threshold, (
+    if c.glob.fused and c.policy.masks:
+        fix = (f"But {c.head} was not called: a fused kernel computed the loss from its weight "
+               "(measured here from the final hidden states), so the mask did not reach those "
+               f"logits. Pass the real rows {c.head}.weight[:{c.real}] to the kernel "
+               "(docs/integrations.md, fused heads).")
+    return _Found(top, threshold, (
         f"{_fmt(top)} of the probability (mean {_fmt(mean)}) is on the {c.rows - c.real} "
-        f"padding columns [{c.real}, {c.rows}), expected <= {threshold:g}; {c.next}. {fix}")
+        f"padding columns [{c.real}, {c.rows}), expected <= {threshold:g}; {c.next}. {fix}"))
 
 
-def _nonfinite(c: _Context) -> tuple[float, float, str]:
+def _nonfinite(c: _Context) -> _Found:
     counts = {name: c.glob.nonfinite[k] for k, name in _TENSORS.items()}
     seen, total = _seen(counts, "{n} in the {k}", ", ")
-    return total, 0.0, (
+    return _Found(total, 0.0, (
         f"NaN/Inf values: {seen}; expected none; {c.next}. Check the learning rate, the loss "
-        f"scale and the padding rows [{c.real}, {c.rows}) of the embedding / lm_head.")
+        f"scale and the padding rows [{c.real}, {c.rows}) of the embedding / lm_head."))
 
 
-def _loss_spike(c: _Context) -> tuple[float, float, str]:
+def _loss_spike(c: _Context) -> _Found:
     ls, ratio = c.policy.checks.loss_spike, c.glob.spike_ratio
     loss = c.glob.loss if c.glob.loss is not None else float("nan")
-    return ratio, ls.factor, (
+    return _Found(ratio, ls.factor, (
         f"loss {_fmt(loss)} is {_fmt(ratio)}x the median of its last {ls.window} losses, "
         f"expected <= {ls.factor:g}x (or a rise <= {ls.min_delta:g}); {c.next}. Look for "
-        "unmasked padding columns, a bad batch or a too high learning rate.")
+        "unmasked padding columns, a bad batch or a too high learning rate."))
+
+
+def _blind(kind: str, head: str) -> str:
+    """What was not seen, the likely cause and the fix, per kind of data."""
+    return {
+        "logits": f"no logits: {head} was not called in the training forward and no final "
+                  "norm was found to measure its input from. Fix: call the head module, or "
+                  "pass lm_head= the module that produces the logits",
+        "labels": "no labels: no labels= / targets= argument reached the model's forward (the "
+                  "loss is computed outside the model: HF Trainer with label_smoothing_factor "
+                  "or compute_loss_func, or a wrapper that hides the signature); input ids are "
+                  "still checked. Fix: pass the labels to the model's forward",
+        "loss": "no loss: the forward returned none (HF .loss, a (logits, loss) tuple, a "
+                "dict's 'loss' or a 0-dim tensor) and no g.step(loss) gave one. Fix: return "
+                "the loss from forward, or call g.step(loss) each step",
+    }[kind]
+
+
+def _coverage(c: _Context) -> _Found:
+    parts, worst = [], 0
+    for kind, n in c.glob.blind.items():
+        checks = [ch for ch in NEEDS[kind] if c.policy.enabled(ch)]
+        if n > 0 and checks:
+            parts.append((kind, f"{' and '.join(checks)} saw {_blind(kind, c.head)}"))
+            worst = max(worst, n)
+    text = "; ".join(p for _, p in parts)
+    return _Found(float(worst), 0.0, (
+        f"blind in {worst} training step(s): {text}; {c.next}. Until then these checks "
+        "check nothing (logged once, counted every blind step)."),
+        count=worst, once="+".join(kind for kind, _ in parts))
 
 
 # The per-step checks in the order of a verdict, cause first: ghost ids explain an infinite
-# loss under the mask, not the reverse.
-_DESCRIBE: dict[str, Callable[[_Context], tuple[float, float, str]]] = {
+# loss under the mask, not the reverse; a blind check explains a quiet one.
+_DESCRIBE: dict[str, Callable[[_Context], _Found]] = {
     "token_range": _token_range,
     "padding_mass": _padding_mass,
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
+    "coverage": _coverage,
 }
 
 
-def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int) -> Verdict:
+def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
+          head: str = "lm_head") -> Verdict:
     """The verdict on the all-rank values, so every rank decides alike.
 
-    `real` and `rows`: the whole head's real vocab and rows, for the messages.
+    `real` and `rows`: the whole head's real vocab and rows; `head` its name, for the messages.
     """
     out = []
     for check, describe in _DESCRIBE.items():
@@ -153,10 +215,10 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int) 
         if rank is None or not policy.enabled(check):
             continue
         action = policy.action(check)
-        value, threshold, text = describe(_Context(reading.glob, policy, _NEXT[action], real,
-                                                   rows))
-        out.append(Violation(check, action, step, f"{check} on rank {rank} at step {step}: {text}",
-                             rank=rank, value=value, threshold=threshold))
+        f = describe(_Context(reading.glob, policy, _NEXT[action], real, rows, head))
+        out.append(Violation(check, action, step, f"{check} on rank {rank} at step {step}: "
+                             f"{f.text}", rank=rank, value=f.value, threshold=f.threshold,
+                             count=f.count, once=f.once and f"{check}:{f.once}"))
     return Verdict(tuple(out))
 
 

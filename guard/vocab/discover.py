@@ -9,10 +9,13 @@ from torch import nn
 
 from guard.errors import AttachError
 
-__all__ = ["Heads", "discover", "unwrap_compiled"]
+__all__ = ["Heads", "discover", "unwrap", "unwrap_compiled"]
 
 # Names used by nanoGPT, HF, Llama-style and Megatron-style code for the output projection.
 _HEAD_NAMES = ("lm_head", "output", "head", "output_layer", "embed_out", "cls")
+# ... and for the final norm whose output the head projects (GPT-2 / nanoGPT ln_f, Llama /
+# Mistral norm, OPT / T5 final_layer_norm, Megatron final_layernorm, GPT-NeoX final_layer_norm).
+_FINAL_NORM_NAMES = ("ln_f", "norm", "final_layer_norm", "final_layernorm", "ln_final", "norm_f")
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,9 @@ class Heads:
     lm_head: nn.Module
     embedding_name: str
     lm_head_name: str
+    # The module whose output the head projects, where one is found by name and width: a
+    # forward that skips the head (a fused loss kernel) is measured from its output.
+    final_norm: nn.Module | None = None
 
     @property
     def tied(self) -> bool:
@@ -113,6 +119,42 @@ def _find_embedding(model: nn.Module, head: nn.Module) -> nn.Module:
     )
 
 
+def _find_final_norm(model: nn.Module, head: nn.Module) -> nn.Module | None:
+    width = getattr(getattr(head, "weight", None), "shape", (0, 0))[-1]
+    named = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in _FINAL_NORM_NAMES
+             and getattr(getattr(m, "weight", None), "shape", None) == (width,)]
+    return named[-1] if named else None  # the last: decoder stacks name their inner norms too
+
+
+def _wrapped(model: object) -> nn.Module | None:
+    """The module inside a DDP / DataParallel / FSDP(1) wrapper (their forward calls it with
+    the same arguments), or None."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel | DataParallel):
+        inner = model.module
+        return inner if isinstance(inner, nn.Module) else None
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel):
+        inner = model.module
+        return inner if isinstance(inner, nn.Module) else None
+    return None
+
+
+def unwrap(model: object) -> nn.Module:
+    """The model module under torch.compile, DDP, DataParallel and FSDP(1) wrappers, in any
+    nesting: the guard hooks it, so attaching to the wrapper or to the module is the same.
+    FSDP2's fully_shard and model.compile() change the module in place: nothing to unwrap."""
+    for _ in range(8):
+        inner = _wrapped(model)
+        if inner is None:
+            inner = unwrap_compiled(model)
+            if inner is model:
+                return inner
+        model = inner
+    raise AttachError(f"more than 8 nested wrappers around {type(model).__name__}")
+
+
 def unwrap_compiled(model: object) -> nn.Module:
     """The original module of a torch.compile'd one: the guard hooks it, and the compiled
     forward runs (and traces) those hooks. A module is returned as it is; anything else is an
@@ -155,6 +197,7 @@ def discover(
     for label, m in (("embedding", emb), ("lm_head", head)):
         if not isinstance(m, nn.Module):
             raise AttachError(f"{label} must be an nn.Module, got {type(m).__name__}")
-    heads = Heads(emb, head, _name_of(model, emb), _name_of(model, head))
+    heads = Heads(emb, head, _name_of(model, emb), _name_of(model, head),
+                  _find_final_norm(model, head))
     heads.embedding_rows, heads.head_rows  # noqa: B018 - raises AttachError early on odd modules
     return heads

@@ -30,7 +30,9 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "VocabSizes",
 ]
 
-CheckName = Literal["alignment", "vocab", "padding_mass", "nonfinite", "token_range", "loss_spike"]
+CheckName = Literal[
+    "alignment", "vocab", "padding_mass", "nonfinite", "token_range", "loss_spike", "coverage"
+]
 # "off" never appears on the wire: an off check records nothing.
 ActionName = Literal["fail", "mask", "skip", "warn"]
 CHECKS: tuple[str, ...] = get_args(CheckName)

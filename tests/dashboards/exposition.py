@@ -2,8 +2,10 @@
 
 Run RUN, two ranks (job / instance are added by Prometheus, as for the real server):
   rank 0  every fault: padding mass 2 % unmasked, NaN logits and loss, ghost labels, loss
-          spikes, halted by nonfinite, dropped reports; reporting now.
-  rank 1  healthy numbers, the same padding mass but masked, and silent for 10 minutes.
+          spikes, blind steps (coverage), halted by nonfinite, dropped reports; reporting now.
+  rank 1  healthy numbers, the same padding mass but masked, never blind (its coverage count
+          is exposed at 0, as guard-server exposes every enabled check), and silent for 10
+          minutes.
 `fault_exposition` is guard-server's /metrics text, served by `serve_exposition`; its
 counters grow by one per scrape, so rate() and increase() see real increments.
 
@@ -33,6 +35,7 @@ FIRING = {
     "GuardLossSpike": {"0"},
     "GuardRankSilent": {"1"},
     "GuardReportsDropped": {"0"},
+    "GuardBlind": {"0"},
 }
 VOCAB = {"real": 50000, "rows": 50016, "aligned": 50048}  # 50000 rounded up to 64: 50048
 
@@ -65,6 +68,8 @@ def fault_exposition(scrape: int, now: float) -> str:
             (f'{r0},check="padding_mass",action="warn"', 5 * n),
             (f'{r0},check="nonfinite",action="fail"', 1),
             (f'{r1},check="padding_mass",action="mask"', 5 * n),
+            (f'{r0},check="coverage",action="warn"', n),
+            (f'{r1},check="coverage",action="warn"', 0),
         ]),
         ("guard_skipped_steps_total", "counter", [(r0, n), (r1, 0)]),
         ("guard_halted", "gauge", [(f'{r0},check="nonfinite"', 1)]),

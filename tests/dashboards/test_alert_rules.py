@@ -20,6 +20,7 @@ CONTRACT_ALERTS = {
     "GuardLossSpike",
     "GuardRankSilent",
     "GuardReportsDropped",
+    "GuardBlind",
 }
 SERVER_ALERTS = {"GuardServerDown"}
 

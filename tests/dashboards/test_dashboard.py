@@ -49,6 +49,18 @@ def test_identity_and_schema(dashboard: dict[str, Any]) -> None:
     assert len(set(ids)) == len(ids), "panel ids must be unique"
 
 
+def test_panels_tile_the_grid_without_overlap(dashboard: dict[str, Any]) -> None:
+    # The top level only: a collapsed row's panels are placed when it opens.
+    boxes = [(p["title"], p["gridPos"]) for p in dashboard["panels"]]
+    for title, g in boxes:
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0, f"{title}: {g}"
+    for i, (a, ga) in enumerate(boxes):
+        for b, gb in boxes[i + 1 :]:
+            apart = (ga["x"] + ga["w"] <= gb["x"] or gb["x"] + gb["w"] <= ga["x"]
+                     or ga["y"] + ga["h"] <= gb["y"] or gb["y"] + gb["h"] <= ga["y"])
+            assert apart, f"{a!r} {ga} overlaps {b!r} {gb}"
+
+
 def test_variables(dashboard: dict[str, Any]) -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"

@@ -10,8 +10,10 @@ rules loaded. The faults come in turn, after Prometheus has seen every rank heal
   rank 1  training goes on through every fault: padding mass unmasked (warn) from step 1; a
           ghost label, id 110, at step 13 (token_range warn); a loss spike at step 15 (ln_f
           scaled x1000 for one step; loss_spike warn, default factor 10); a NaN at step 17 (one
-          ln_f weight NaN for one step; nonfinite skip, so the weights stay finite). It also
-          pushes through a second sink holding a stale token, which guard-server rejects.
+          ln_f weight NaN for one step; nonfinite skip, so the weights stay finite); blind at
+          step 19: the loop calls the model without targets, computes the loss itself and
+          feeds g.step() none, so no labels and no loss reach the guard (coverage warn). It
+          also pushes through a second sink holding a stale token, which guard-server rejects.
   rank 2  halted: padding masked; the same NaN at step 17 with nonfinite fail raises
           GuardViolation and the rank detaches. Its push queue holds one report and drains
           every 0.5 s, so it drops reports, as a slow guard-server would make it.
@@ -35,6 +37,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import guard
 from guard.demo.model import GPT
@@ -58,7 +61,7 @@ TOKEN = "live-training-token"
 REAL, ROWS = 100, 128
 GHOST = 110  # a label id in [real, rows): a ghost token the tokenizer cannot produce
 CLEAN_STEPS = 12  # before the faults: loss_spike needs its warmup (10) of finite losses
-GHOST_STEP, SPIKE_STEP, NAN_STEP, LAST_STEP = 13, 15, 17, 20
+GHOST_STEP, SPIKE_STEP, NAN_STEP, BLIND_STEP, LAST_STEP = 13, 15, 17, 19, 20
 
 # Which ranks each alert expression must return, and the one extra label it must carry for
 # them; absent: it returns nothing (for the clean rank 0 above all).
@@ -69,6 +72,7 @@ FIRING: dict[str, set[str]] = {
     "GuardTokenOutOfRange": {"1"},
     "GuardLossSpike": {"1"},
     "GuardReportsDropped": {"2"},
+    "GuardBlind": {"1"},
 }
 FIRING_LABELS: dict[str, tuple[str, set[str]]] = {
     "GuardNonFinite": ("tensor", {"logits", "hidden", "loss"}),
@@ -102,7 +106,7 @@ class Trainee:
     opt: torch.optim.Optimizer
     g: guard.Guard
     halted: guard.GuardViolation | None = None
-    faults: dict[int, str] = field(default_factory=dict)  # step -> ghost / spike / nan
+    faults: dict[int, str] = field(default_factory=dict)  # step -> ghost / spike / nan / blind
 
     def step(self, i: int) -> None:
         """Training step i (1-based), with this rank's fault at that step, if any."""
@@ -121,7 +125,14 @@ class Trainee:
                 ln_f[0] = float("nan")  # NaN in the lm_head input, the logits and the loss
         try:
             self.opt.zero_grad()
-            _, loss = self.model(x, y)
+            if fault == "blind":
+                # A loop that computes the loss outside the model and forgets to feed it to
+                # the guard: the forward sees no targets and returns no loss.
+                logits, _ = self.model(x)  # (B, T, rows)
+                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+                self.g.step()
+            else:
+                _, loss = self.model(x, y)
             loss.backward()
             self.opt.step()  # the guard reads and acts in the optimizer's step pre-hook
         except guard.GuardViolation as exc:
@@ -160,7 +171,8 @@ def _train(stack: ExitStack, env: pytest.MonkeyPatch, url: str) -> list[Trainee]
     clean = _attach(0, env, common | {"padding_mass": mask, "nonfinite": warn}, url)
     faulty = _attach(1, env, common | {"padding_mass": warn, "nonfinite": {"action": "skip"}}, url)
     faulty.g.add_sink(PushSink(url, token="stale-token", flush_interval_s=0.2))
-    faulty.faults = {GHOST_STEP: "ghost", SPIKE_STEP: "spike", NAN_STEP: "nan"}
+    faulty.faults = {GHOST_STEP: "ghost", SPIKE_STEP: "spike", NAN_STEP: "nan",
+                     BLIND_STEP: "blind"}
     halts = _attach(2, env, common | {"padding_mass": mask, "nonfinite": {"action": "fail"}}, None)
     halts.g.add_sink(PushSink(url, token=TOKEN, max_queue=1, flush_interval_s=0.5))
     halts.faults = {NAN_STEP: "nan"}
@@ -229,6 +241,8 @@ def test_the_run_went_as_scripted(live: Live) -> None:
     assert halted.halted.step == NAN_STEP
     assert faulty.g.stats["out_of_range"]["label"] == 1
     assert faulty.g.stats["violations"]["loss_spike"] == {"warn": 1}
+    assert faulty.g.stats["violations"]["coverage"] == {"warn": 1}  # one blind step
+    assert "coverage" not in halted.g.stats["violations"]
     assert faulty.g.stats["skipped_steps"] == 1
     assert all(torch.isfinite(p).all() for p in faulty.model.parameters()), "skip left a NaN"
     assert clean.g.stats["violations"] == {"padding_mass": {"mask": LAST_STEP}}
@@ -256,8 +270,10 @@ def test_panels_show_the_faults(live: Live) -> None:
     assert _positive(q(_panel("Violations by check and action")), "check", "action") == {
         ("padding_mass", "mask"), ("padding_mass", "warn"), ("token_range", "warn"),
         ("loss_spike", "warn"), ("nonfinite", "skip"), ("nonfinite", "fail"),
+        ("coverage", "warn"),
     }  # fmt: skip
     assert _positive(q(_panel("Skipped optimizer steps")), "rank") == {("1",)}
+    assert _positive(q(_panel("Blind checks (coverage)")), "rank") == {("1",)}
     assert _by(q(_panel("Halted ranks")), "run_id") == {("",): 1.0}
     assert _by(q(_panel("Latest step")), "run_id") == {(RUN,): float(LAST_STEP)}
     assert _by(q(_panel("Vocab sizes (real / rows / aligned)")), "kind") == {

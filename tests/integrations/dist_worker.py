@@ -1,8 +1,12 @@
 """One rank of the torchrun test (tests/integrations/test_distributed.py); not a test itself.
 
 usage: python -m torch.distributed.run --nproc-per-node 2 ... dist_worker.py OUT_DIR SERVE_PORT
+       [MODE]
 
-Rank 1 alone feeds a ghost label at step 3; every rank writes OUT_DIR/rank<N>.json with the
+MODE: `tiny` (the project's GPT, default), `ddp-wrapper` or `ddp-module` (nanoGPT's own
+model.py inside DistributedDataParallel, called as nanoGPT's train.py does, `model(X, Y)`;
+the guard attached to the wrapper or to its `.module`). Rank 1 alone feeds a ghost label at
+step 3; every rank writes OUT_DIR/rank<N>.json with the
 step it raised at, the violation's data, its collective counts and its /metrics endpoint.
 """
 
@@ -37,7 +41,21 @@ def count_calls(owner: Any, name: str, counts: dict[str, int], key: str) -> None
     setattr(owner, name, counted)
 
 
-def main(out: Path, serve_port: int) -> None:
+def nanogpt(mode: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the model the loop calls, the module the guard is attached to)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data" / "nanogpt"))
+    import model as nano  # nanoGPT's own model.py
+
+    torch.manual_seed(0)
+    cfg = nano.GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2, n_embd=32,
+                         dropout=0.0, bias=False)
+    ddp = DistributedDataParallel(nano.GPT(cfg))
+    return ddp, (ddp if mode == "ddp-wrapper" else ddp.module)
+
+
+def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     rank = dist.get_rank()
     counts = {"all_reduce": 0, "read": 0, "other_collectives": 0}
@@ -47,13 +65,15 @@ def main(out: Path, serve_port: int) -> None:
         count_calls(dist, name, counts, "other_collectives")
     count_calls(Flags, "read", counts, "read")
 
-    model = tiny_gpt()
+    model = target = tiny_gpt()
+    if mode != "tiny":
+        model, target = nanogpt(mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pol = policy()
     pol["export"] = {"serve": f"127.0.0.1:{serve_port}"}
     result: dict[str, Any] = {"rank": rank, "raised_at": None}
     try:
-        with guard.attach(model, policy=pol, vocab_size=100, optimizer=opt) as g:
+        with guard.attach(target, policy=pol, vocab_size=100, optimizer=opt) as g:
             result.update(run_id=g.run_id, guard_rank=g.rank,
                           metrics_url=g.metrics_url)
             for step in range(1, STEPS + 1):
@@ -75,4 +95,4 @@ def main(out: Path, serve_port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])

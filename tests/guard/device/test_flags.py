@@ -22,7 +22,8 @@ def test_an_empty_read_has_no_values_and_nothing_fired() -> None:
     assert (r.local.padding_mass, r.local.padding_mass_max, r.local.loss) == (None, None, None)
     assert r.local.nonfinite == {"logits": 0, "hidden": 0, "loss": 0}
     assert r.local.out_of_range == {"input": 0, "label": 0}
-    assert r.over == dict.fromkeys(("token_range", "padding_mass", "nonfinite", "loss_spike"))
+    assert r.over == dict.fromkeys(("token_range", "padding_mass", "nonfinite", "loss_spike",
+                                    "coverage"))
 
 
 def test_reading_names_the_values_as_on_the_wire() -> None:
@@ -34,7 +35,7 @@ def test_reading_names_the_values_as_on_the_wire() -> None:
     f.add_nonfinite("hidden", T(3))
     f.nonfinite_at_least("logits", T(True))
     f.nonfinite_at_least("logits", T(False))
-    f.add_out_of_range("label", T(5))
+    f.add_out_of_range("label", T(5), T(2), T(130))
     f.set_loss(T(2.5, dtype=torch.float64))
     f.add_spike(T(1.0), T(12.0))
     r = f.read(lagged=False)
@@ -46,7 +47,10 @@ def test_reading_names_the_values_as_on_the_wire() -> None:
     assert (v.loss, v.spike_ratio) == (2.5, 12.0)
     assert r.glob == r.local  # one process: the all-rank values are this rank's
     # Each check that crossed its threshold names this rank (2); the others none.
-    assert r.over == {"token_range": 2, "padding_mass": 2, "nonfinite": 2, "loss_spike": 2}
+    assert (v.negative_labels, v.max_id) == (2, 130)
+    # Each check that crossed its threshold names this rank (2); the others none.
+    assert r.over == {"token_range": 2, "padding_mass": 2, "nonfinite": 2, "loss_spike": 2,
+                      "coverage": None}
 
 
 def test_the_padding_mass_threshold_is_the_policys() -> None:
@@ -63,7 +67,7 @@ def test_the_padding_mass_threshold_is_the_policys() -> None:
 
 def test_a_read_resets_the_accumulator() -> None:
     f = flags()
-    f.add_out_of_range("input", T(4))
+    f.add_out_of_range("input", T(4), T(0), T(0))
     first, second = f.read(lagged=False), f.read(lagged=False)
     assert first is not None and second is not None
     assert first.local.out_of_range["input"] == 4 and second.local.out_of_range["input"] == 0
@@ -76,3 +80,30 @@ def test_a_lagged_read_on_the_cpu_is_the_current_one() -> None:
     r = f.read(lagged=True)
     assert r is not None and r.local.loss == 1.0
     assert f.flush() is None
+
+
+def test_a_step_that_saw_nothing_is_counted_blind_per_kind() -> None:
+    f = flags()
+    f.saw("logits")
+    f.saw("loss")
+    f.end_step()  # step 1: no labels
+    f.end_step()  # step 2: nothing at all
+    r = f.read(lagged=False)
+    assert r is not None and r.local.blind == {"logits": 1, "labels": 2, "loss": 1}
+    assert r.fired("coverage") == 0
+    f.saw("logits")
+    f.saw("labels")
+    f.saw("loss")
+    f.end_step()
+    r = f.read(lagged=False)
+    assert r is not None and r.local.blind == {"logits": 0, "labels": 0, "loss": 0}
+    assert r.fired("coverage") is None
+
+
+def test_blindness_only_counts_where_a_check_needs_the_data() -> None:
+    off = {c: {"action": "off"} for c in ("token_range", "nonfinite", "loss_spike")}
+    f = Flags.from_policy(coerce_policy({"checks": off}), torch.device("cpu"), 0)
+    f.saw("logits")
+    f.end_step()  # no labels, no loss: nothing needs them
+    r = f.read(lagged=False)
+    assert r is not None and r.local.blind["labels"] == 1 and r.fired("coverage") is None

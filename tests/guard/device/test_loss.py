@@ -17,6 +17,9 @@ from guard.policy import coerce_policy
 from tests.conftest import batch, no_host_reads, policy, tiny_gpt
 
 DEFAULTS = {"window": 100, "factor": 10.0, "min_delta": 1.0, "warmup": 10}
+# Tests below feed losses alone through g.step(loss), no forward: the checks that need logits
+# or labels are blind by design there, so coverage is off for them.
+LOSSES_ONLY = {"action": "off"}
 
 
 def curves() -> dict[str, list[float]]:
@@ -152,7 +155,8 @@ def test_anchor_rules_on_the_same_curves() -> None:
 def test_seed_curve_through_attach_warns_at_the_spike() -> None:
     m = tiny_gpt()
     seed = curves()["seed"][:41]  # the NaN after it is nonfinite's business
-    with guard.attach(m, policy=policy(loss_spike={"action": "warn"}), vocab_size=100) as g:
+    with guard.attach(m, policy=policy(loss_spike={"action": "warn"}, coverage=LOSSES_ONLY),
+                      vocab_size=100) as g:
         for x in seed:
             g.step(torch.tensor(x))
         assert g.stats["violations"] == {"loss_spike": {"warn": 2}}
@@ -161,7 +165,8 @@ def test_seed_curve_through_attach_warns_at_the_spike() -> None:
 
 def test_spike_message_names_the_median_and_the_action(caplog: pytest.LogCaptureFixture) -> None:
     m = tiny_gpt()
-    with guard.attach(m, policy=policy(loss_spike={"action": "warn"}), vocab_size=100) as g:
+    with guard.attach(m, policy=policy(loss_spike={"action": "warn"}, coverage=LOSSES_ONLY),
+                      vocab_size=100) as g:
         for x in [2.0] * 10 + [30.0]:
             g.step(torch.tensor(x))
     assert ("loss_spike on rank 0 at step 11: loss 30 is 15x the median of its last 100 "
@@ -171,7 +176,8 @@ def test_spike_message_names_the_median_and_the_action(caplog: pytest.LogCapture
 def test_fail_stops_a_real_model_before_the_update() -> None:
     m = tiny_gpt()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    g = guard.attach(m, policy=policy(loss_spike={"action": "fail"}), vocab_size=100,
+    g = guard.attach(m, policy=policy(loss_spike={"action": "fail"}, coverage=LOSSES_ONLY),
+                     vocab_size=100,
                      optimizer=opt)
     for i in range(10):
         m(*batch(seed=i))[1].backward()
@@ -192,7 +198,8 @@ def test_fail_stops_a_real_model_before_the_update() -> None:
 
 def test_read_every_keeps_a_spike_between_reads() -> None:
     m = tiny_gpt()
-    pol = {**policy(loss_spike={"action": "warn"}), "cadence": {"read_every": 5}}
+    pol = {**policy(loss_spike={"action": "warn"}, coverage=LOSSES_ONLY),
+           "cadence": {"read_every": 5}}
     with guard.attach(m, policy=pol, vocab_size=100) as g:
         for x in [2.0] * 12 + [50.0] + [2.0] * 2:  # the spike is step 13, read at step 15
             g.step(torch.tensor(x))
@@ -218,7 +225,7 @@ def test_folding_the_loss_reads_nothing_to_the_host() -> None:
 
 def test_off_keeps_no_history() -> None:
     assert step_loss().spike is None
-    with guard.attach(tiny_gpt(), policy=policy(), vocab_size=100) as g:
+    with guard.attach(tiny_gpt(), policy=policy(coverage=LOSSES_ONLY), vocab_size=100) as g:
         for x in [2.0] * 10 + [500.0]:
             g.step(torch.tensor(x))
         assert g.stats["violations"] == {}

@@ -98,3 +98,31 @@ def test_push_with_the_wrong_token_drops_and_counts(monkeypatch: pytest.MonkeyPa
         server.stop()
 
 
+
+
+def test_one_sink_sends_each_run_and_rank_as_its_own_batch_within_the_body_limit() -> None:
+    from guard.policy import Action
+    from guard.step.reading import Values
+    from guard.step.record import Record
+    from guard.step.verdict import Verdict, Violation
+    from guard_server.wire import ReportBatch
+
+    server = EmbeddedServer("127.0.0.1", free_port())
+    url = server.start()
+    sink = PushSink(url, batch_size=100, flush_interval_s=0.05)
+    try:
+        # 20 reports of 32 events of 4096 characters: ~2.6 MB, over the 1 MiB body limit.
+        long = Verdict(tuple(Violation("padding_mass", Action.WARN, 1, "x" * 4096, rank=0,
+                                       value=0.5, threshold=1e-6) for _ in range(32)))
+        for i in range(20):
+            record = Record("big", 0, {"real": 100, "rows": 128, "aligned": 128}, {})
+            record.update(Values(), i + 1)
+            record.add(long)
+            sink.emit(ReportBatch(run_id="big", rank=0, reports=[record.report()]))
+            sink.emit(one_report(i + 1, run_id="small", rank=5))
+        sink.close(timeout=10.0)
+        assert sink.dropped == 0 and sink.sent == 40
+        steps = {(v.run_id, v.rank): v.latest.step for v in server.store.snapshot().ranks}
+        assert steps == {("big", 0): 20, ("small", 5): 20}
+    finally:
+        server.stop()

@@ -46,7 +46,8 @@ def test_from_the_policy_every_enabled_check_is_a_zero_count() -> None:
     assert (r.run_id, r.rank) == ("r7", 1)
     assert report.violations == {"alignment": {"fail": 0}, "vocab": {"fail": 0},
                                  "padding_mass": {"mask": 0}, "nonfinite": {"fail": 0},
-                                 "token_range": {"fail": 0}}  # loss_spike is off
+                                 "token_range": {"fail": 0},
+                                 "coverage": {"warn": 0}}  # loss_spike is off
 
 
 def test_values_add_up_in_stats_and_gauges_keep_their_last_value() -> None:

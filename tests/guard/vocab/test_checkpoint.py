@@ -11,7 +11,6 @@ import torch
 
 from guard.errors import CheckpointError
 from guard.vocab.checkpoint import audit_checkpoint, safetensors_shapes
-from guard.vocab.tokenizer_files import tokenizer_vocab
 
 
 def write_model(d: Path, rows: int, *, real: int | None = None, tie: bool = True,
@@ -154,19 +153,6 @@ def test_only_the_header_is_read(tmp_path: Path) -> None:
                           "data_offsets": [0, 2 * 4096 * 10**9]}}).encode()
     p = write_safetensors(tmp_path / "model.safetensors", header)
     assert safetensors_shapes(p) == {"model.embed_tokens.weight": (10**9, 4096)}
-
-
-def test_real_vocab_from_slow_and_sentencepiece_files(tmp_path: Path) -> None:
-    (tmp_path / "vocab.json").write_text(json.dumps({f"t{i}": i for i in range(90)}))
-    (tmp_path / "added_tokens.json").write_text(json.dumps({"<a>": 90, "<b>": 99}))
-    assert tokenizer_vocab(tmp_path) == (100, "vocab.json + added_tokens.json")
-    sp = tmp_path / "sp"
-    sp.mkdir()
-    # ModelProto: 5 x field 1 (a SentencePiece message), then field 2 (trainer spec).
-    piece = b"\x0a\x03abc\x15\x00\x00\x80\x3f"  # piece "abc", score 1.0
-    (sp / "tokenizer.model").write_bytes((b"\x0a" + bytes([len(piece)]) + piece) * 5 +
-                                         b"\x12\x02\x08\x01")
-    assert tokenizer_vocab(sp) == (5, "tokenizer.model (sentencepiece)")
 
 
 # -- unreadable input ------------------------------------------------------------------------
