@@ -34,8 +34,9 @@ class GuardCallback(GuardedTraining, TrainerCallback):
     The model, the optimizer (its step pre-hook is the step boundary) and, unless `tokenizer`,
     `vocab_size` or the policy's `vocab.real_size` is given, the real vocab (the Trainer's
     `processing_class`) come from the Trainer. The loss is the model output's `.loss`, which
-    the guard's model hook picks up; a Trainer that computes the loss outside the model
-    (`compute_loss_func`, label smoothing) trains guarded but reports no loss.
+    the guard's model hook picks up. `label_smoothing_factor` over a head with padding rows is
+    refused at train begin (it smooths over the padding columns); a `compute_loss_func` takes
+    the labels and the loss away from the model: the coverage check says so at step 1.
     """
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
@@ -53,8 +54,20 @@ class GuardCallback(GuardedTraining, TrainerCallback):
         sums = _normalises_by_window(model)
         scale = (float(args.world_size) if sums and args.world_size > 1
                  and getattr(args, "average_tokens_across_devices", False) else 1.0)
-        self._attach(model, optimizer=optimizer, processing_class=processing_class,
-                     loss_shares="sum" if sums else "last", loss_scale=scale)
+        g = self._attach(model, optimizer=optimizer, processing_class=processing_class,
+                         loss_shares="sum" if sums else "last", loss_scale=scale)
+        smoothing = getattr(args, "label_smoothing_factor", 0.0) or 0.0
+        if smoothing > 0 and g.real < g.rows:
+            self._detach()
+            raise AttachError(
+                f"GuardCallback: label_smoothing_factor={smoothing:g} smooths over all {g.rows} "
+                f"columns of the logits, the {g.rows - g.real} padding columns [{g.real}, "
+                f"{g.rows}) included: under the mask their -inf makes the loss +inf (the Trainer "
+                "logs it as 0.0), without it training teaches the model to give ghost ids "
+                "probability; and the Trainer takes the labels from the model, so ghost labels "
+                "go unchecked. Set label_smoothing_factor=0 and smooth in the model's own loss "
+                f"over the real columns logits[..., :{g.real}] (docs/integrations.md), or "
+                "train a head without padding rows")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()

@@ -137,9 +137,9 @@ def _padding_mass(c: _Context) -> _Found:
            else "Set checks.padding_mass.action: mask to mask them instead.")
     if c.glob.fused and c.policy.masks:
         fix = (f"But {c.head} was not called: a fused kernel computed the loss from its weight "
-               "(measured here from the final hidden states), so the mask did not reach those "
-               f"logits. Pass the real rows {c.head}.weight[:{c.real}] to the kernel "
-               "(docs/integrations.md, fused heads).")
+               "(measured here from the final hidden states) and the guard cannot mask a "
+               f"kernel's logits. Pass it the real rows {c.head}.weight[:{c.real}] "
+               "(docs/integrations.md, fused heads): then the padding takes no part in the loss.")
     return _Found(top, threshold, (
         f"{_fmt(top)} of the probability (mean {_fmt(mean)}) is on the {c.rows - c.real} "
         f"padding columns [{c.real}, {c.rows}), expected <= {threshold:g}; {c.next}. {fix}"))
@@ -178,13 +178,15 @@ def _blind(kind: str, head: str) -> str:
     }[kind]
 
 
-def _coverage(c: _Context) -> _Found:
+def _coverage(c: _Context) -> _Found | None:
     parts, worst = [], 0
     for kind, n in c.glob.blind.items():
         checks = [ch for ch in NEEDS[kind] if c.policy.enabled(ch)]
         if n > 0 and checks:
             parts.append((kind, f"{' and '.join(checks)} saw {_blind(kind, c.head)}"))
             worst = max(worst, n)
+    if not parts:
+        return None  # no check that is on needs what was not seen
     text = "; ".join(p for _, p in parts)
     return _Found(float(worst), 0.0, (
         f"blind in {worst} training step(s): {text}; {c.next}. Until then these checks "
@@ -194,7 +196,7 @@ def _coverage(c: _Context) -> _Found:
 
 # The per-step checks in the order of a verdict, cause first: ghost ids explain an infinite
 # loss under the mask, not the reverse; a blind check explains a quiet one.
-_DESCRIBE: dict[str, Callable[[_Context], _Found]] = {
+_DESCRIBE: dict[str, Callable[[_Context], _Found | None]] = {
     "token_range": _token_range,
     "padding_mass": _padding_mass,
     "nonfinite": _nonfinite,
@@ -216,6 +218,8 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
             continue
         action = policy.action(check)
         f = describe(_Context(reading.glob, policy, _NEXT[action], real, rows, head))
+        if f is None:
+            continue
         out.append(Violation(check, action, step, f"{check} on rank {rank} at step {step}: "
                              f"{f.text}", rank=rank, value=f.value, threshold=f.threshold,
                              count=f.count, once=f.once and f"{check}:{f.once}"))

@@ -204,3 +204,96 @@ def test_inductor_measures_and_masks_like_eager() -> None:
     assert float(loss) == pytest.approx(float(e_loss), rel=1e-5)
     assert stats["padding_mass"] == pytest.approx(e_stats["padding_mass"], rel=1e-4)
     assert stats["violations"] == e_stats["violations"] == {"padding_mass": {"mask": 2}}
+
+
+# -- compiled before attach: the graph traced without the hooks must not go on running --------
+
+
+def nanogpt_steps(fwd: nn.Module, opt: torch.optim.Optimizer, steps: int,
+                  after_each: Any = None) -> list[float]:
+    losses = []
+    for i in range(steps):
+        _, loss = fwd(*batch(seed=i))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        if after_each is not None:
+            after_each()
+    return losses
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_nanogpt_compiled_and_warmed_up_before_attach_is_guarded(how: str) -> None:
+    from tests.integrations.nanogpt import REAL, nanogpt
+
+    mask = policy(padding_mass={"action": "mask"})
+    eager = nanogpt()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    with guard.attach(eager, policy=mask, vocab_size=REAL, optimizer=eager_opt) as ge:
+        eager_losses = nanogpt_steps(eager, eager_opt, 3)
+
+    m = nanogpt()
+    fwd: nn.Module = m
+    if how == "torch.compile":
+        fwd = torch.compile(m, backend="aot_eager")
+    else:
+        m.compile(backend="aot_eager")
+    m.eval()
+    with torch.no_grad():  # nanoGPT's estimate_loss() before the first step
+        fwd(*batch(seed=9))
+    m.train()
+    fwd(*batch(seed=9))  # and a training forward: the graph is traced, without hooks
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    seen: list[int] = []
+    with guard.attach(fwd, policy=mask, vocab_size=REAL, optimizer=opt) as g:
+        losses = nanogpt_steps(fwd, opt, 3, after_each=lambda: seen.append(frames()))
+    assert g.stats["padding_mass"] is not None and g.stats["padding_mass"] > 0.05
+    assert g.stats["violations"] == ge.stats["violations"] == {"padding_mass": {"mask": 3}}
+    assert losses == pytest.approx(eager_losses, rel=1e-5)  # masked, as in eager mode
+    assert seen[0] == seen[-1]  # one recompile at attach, none per step
+    assert breaks() == 0
+    # Detached, the compiled model runs without the hooks again: unmasked, like eager.
+    m.eval()
+    with torch.no_grad():
+        logits, _ = fwd(*batch(seed=1))
+    assert torch.isfinite(logits[..., REAL:]).all()
+
+
+def test_nanogpt_ignore_index_minus_one_gets_a_message_that_names_the_fix() -> None:
+    from tests.integrations.nanogpt import REAL, nanogpt
+
+    m = nanogpt(garbage=None)
+    x, y = batch()
+    y[:, -2:] = -1  # nanoGPT's F.cross_entropy(..., ignore_index=-1)
+    with guard.attach(m, policy=policy(), vocab_size=REAL) as g, \
+            pytest.raises(guard.GuardViolation, match=r"8 labels are negative: .*set "
+                          r"checks\.token_range\.ignore_index to their value \(nanoGPT "
+                          r"ignores -1: ignore_index: -1\)"):
+        m(x, y)[1].backward()
+        g.step()
+    pol = policy(token_range={"ignore_index": -1})
+    with guard.attach(m, policy=pol, vocab_size=REAL) as g:
+        m(x, y)[1].backward()
+        g.step()
+        assert g.stats["out_of_range"] == {"input": 0, "label": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("gcc") is None,
+                    reason="inductor on the CPU needs a C++ compiler")
+def test_inductor_graph_from_a_warm_up_is_replaced_at_attach() -> None:
+    """The issue's case: inductor, a forward before attach; forward only (see above)."""
+    m = Tiny()
+    fwd = torch.compile(m, backend="inductor")
+    with torch.no_grad():
+        unmasked, _ = fwd(*batch(seed=0))  # the warm-up: traced without the guard's hooks
+    assert torch.isfinite(unmasked[..., 100:]).all()
+    pol = policy(padding_mass={"action": "mask", "exact": True})
+    with guard.attach(fwd, policy=pol, vocab_size=100) as g, torch.no_grad():
+        logits, loss = fwd(*batch(seed=0))
+        g.step(loss)
+    assert torch.isneginf(logits[..., 100:]).all()
+    assert g.stats["padding_mass"] is not None and g.stats["padding_mass"] > 0.05
+    assert g.stats["violations"] == {"padding_mass": {"mask": 1}}

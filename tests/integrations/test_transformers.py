@@ -69,11 +69,11 @@ def examples(tok: PreTrainedTokenizerFast, *, ghost: int | None = None) -> list[
 
 
 def trainer(model: nn.Module, tok: Any, data: list[dict[str, Any]], cb: GuardCallback,
-            out: Path, steps: int = 3, accumulate: int = 1) -> Trainer:
+            out: Path, steps: int = 3, accumulate: int = 1, **extra: Any) -> Trainer:
     args = TrainingArguments(output_dir=str(out), report_to=[], use_cpu=True, max_steps=steps,
                              per_device_train_batch_size=4, save_strategy="no", logging_steps=1,
                              learning_rate=1e-3, disable_tqdm=True, seed=0,
-                             gradient_accumulation_steps=accumulate)
+                             gradient_accumulation_steps=accumulate, **extra)
     return Trainer(model=model, args=args, train_dataset=data, processing_class=tok,
                    callbacks=[cb])
 
@@ -186,3 +186,41 @@ def test_logits_processor_leaves_the_scores_it_is_given() -> None:
     assert torch.isneginf(out[:, 40:]).all()
     with pytest.raises(ValueError, match="positive int"):
         PaddingMaskLogitsProcessor(0)
+
+
+def test_label_smoothing_over_padding_columns_is_refused_at_train_begin(tmp_path: Path) -> None:
+    tok = word_tokenizer()
+    model = gpt2(len(tok))
+    cb = GuardCallback(policy=policy())
+    t = trainer(model, tok, examples(tok), cb, tmp_path, label_smoothing_factor=0.1)
+    with pytest.raises(AttachError, match=r"label_smoothing_factor=0\.1 smooths over all 64 "
+                       r"columns of the logits, the \d+ padding columns .* Set "
+                       r"label_smoothing_factor=0"):
+        t.train()
+    assert t.state.global_step == 0 and hook_count(model) == 0
+
+
+def test_compute_loss_func_is_reported_blind_at_step_one(tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import torch.nn.functional as F
+
+    tok = word_tokenizer()
+    real = len(tok)
+    model = gpt2(real)
+
+    def loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> Any:
+        logits = outputs.logits[:, :-1, :real]  # the user's own loss, over the real vocab
+        return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
+
+    cb = GuardCallback(policy=policy(loss_spike={"action": "warn"}))
+    t = trainer(model, tok, examples(tok), cb, tmp_path)
+    t.compute_loss_func = loss_func
+    with caplog.at_level(logging.WARNING, logger="guard"):
+        t.train()
+    blind = [r.message for r in caplog.records if r.message.startswith("coverage")]
+    assert len(blind) == 1 and "at step 1" in blind[0]  # said once, at the first step
+    assert "token_range saw no labels" in blind[0]
+    assert "nonfinite and loss_spike saw no loss" in blind[0]
+    assert cb.guard is not None and cb.guard.stats["violations"]["coverage"] == {"warn": 3}

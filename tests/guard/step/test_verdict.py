@@ -101,3 +101,32 @@ def test_the_error_keeps_the_violations_data() -> None:
     assert err is not None
     assert (err.check, err.step, err.rank, err.value, err.threshold, err.action) == \
         ("padding_mass", 3, 2, 0.5, 1e-6, "fail")
+
+
+def test_negative_labels_name_the_ignore_index_setting() -> None:
+    r = reading({"token_range": 0}, out_of_range={"input": 0, "label": 6}, negative_labels=6)
+    (tr,) = verdict(r).violations
+    assert "6 labels are negative: if they mark positions to ignore, set " \
+           "checks.token_range.ignore_index to their value (nanoGPT ignores -1: " \
+           "ignore_index: -1)" in tr.message
+    assert "ghost tokens" not in tr.message
+
+
+def test_ids_just_above_real_may_be_special_tokens() -> None:
+    r = reading({"token_range": 0}, out_of_range={"input": 2, "label": 0}, max_id=101)
+    (tr,) = verdict(r).violations
+    assert "ids in [100, 128) (highest 101) are ghost tokens the tokenizer cannot produce, " \
+           "unless the real vocab is larger than 100" in tr.message
+    assert "pass tokenizer= or set vocab.real_size" in tr.message
+
+
+def test_coverage_names_what_was_not_seen_and_only_for_checks_that_are_on() -> None:
+    blind = {"logits": 0, "labels": 3, "loss": 2}
+    (cv,) = verdict(reading({"coverage": 0}, blind=blind)).violations
+    assert cv.message.startswith("coverage on rank 0 at step 7: blind in 3 training step(s): "
+                                 "token_range saw no labels")
+    assert "nonfinite saw no loss" in cv.message  # loss_spike is off in the test policy
+    assert (cv.count, cv.once) == (3, "coverage:labels+loss")
+    quiet = verdict(reading({"coverage": 0}, blind=blind), token_range={"action": "off"},
+                    nonfinite={"action": "off"})
+    assert quiet.violations == ()  # nothing that is on needs labels or a loss
