@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 if _TYPE_CHECKING:
     from guard.device.checks import padding_mass
     from guard.errors import AttachError, GuardError, GuardViolation, PolicyError
-    from guard.guard import Guard, attach, audit
+    from guard.guard import Guard, attach
     from guard.policy import Policy, load_policy
+    from guard.vocab.discover import audit
     from guard.vocab.sizes import Audit, pad_vocab_size
 
 __all__ = [
@@ -38,7 +39,7 @@ _WHERE = {
     "Policy": "guard.policy",
     "PolicyError": "guard.errors",
     "attach": "guard.guard",
-    "audit": "guard.guard",
+    "audit": "guard.vocab.discover",
     "load_policy": "guard.policy",
     "pad_vocab_size": "guard.vocab.sizes",
     "padding_mass": "guard.device.checks",

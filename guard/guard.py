@@ -1,4 +1,4 @@
-"""The Guard, `attach()` and `audit()`: a thin front over the device probe (guard/device/),
+"""The Guard and `attach()`: a thin front over the device probe (guard/device/),
 the step clock and the verdict (guard/step/) and the sinks (guard/sinks/)."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from guard.device.compile import drop_compiled
 from guard.device.flags import Flags
 from guard.device.loss import LossShares, StepLoss, check_loss_options
 from guard.device.probe import Probe, ProbeConfig
+from guard.device.rows import PaddingRows, suppress_padding_ids
 from guard.errors import AttachError, GuardViolation
-from guard.policy import Policy, coerce_policy
+from guard.policy import Action, Policy, coerce_policy
 from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
 from guard.step.clock import StepClock, Steps, check_boundaries
@@ -30,7 +31,7 @@ from guard.step.verdict import Verdict, attach_verdict, judge
 from guard.vocab.discover import Heads, discover, unwrap
 from guard.vocab.sizes import Audit, audit_sizes, real_vocab, shard_sizes
 
-__all__ = ["Guard", "attach", "audit"]
+__all__ = ["Guard", "attach"]
 
 log = logging.getLogger("guard")
 
@@ -51,7 +52,10 @@ class Guard:
         device = next((p.device for p in heads.lm_head.parameters()), torch.device("cpu"))
         flags = Flags.from_policy(policy, device, rank)
         loss = StepLoss.from_policy(policy, flags, shares=loss_shares, scale=loss_scale)
-        self.probe = Probe(ProbeConfig.from_policy(policy, audit, vocab_shard), flags, loss)
+        cfg = ProbeConfig.from_policy(policy, audit, vocab_shard)
+        rows = PaddingRows.from_policy(policy, flags, heads.embedding, heads.lm_head,
+                                       cfg.real_columns, (heads.embedding_name, heads.lm_head_name))
+        self.probe = Probe(cfg, flags, loss, rows)
         self.clock = StepClock.from_policy(policy, self.probe, self._on_read,
                                            optimizer=optimizer, steps=steps)
         self.episodes = Episodes.from_policy(policy, model)
@@ -147,6 +151,13 @@ class Guard:
         self.record.add(verdict)
         if (error := verdict.error()) is not None:
             raise error
+        if self.probe.rows is not None:  # the padding rows as they are before step 1
+            self.probe.check_weights()
+            reading = self.probe.flags.read(lagged=False, reduce=False)
+            if reading is not None and (error := self._judge(reading, 0, rerun=False).error()):
+                raise error
+        if self.policy.action("padding_rows") is Action.REPAIR:
+            suppress_padding_ids(self.model, self.probe.cfg.real_columns, self.probe.cfg.rows)
         self.handles += self.probe.install(self.model, self.heads)
         self.handles += self.clock.install(self.model, self.optimizer)
         if self.episodes is not None and self.optimizer is not None:
@@ -181,6 +192,10 @@ class Guard:
             if note is not None:
                 self.record.note(note)
         self.record.add(verdict)
+        repair = [v for v in verdict.violations
+                  if v.check == "padding_rows" and v.action is Action.REPAIR]
+        if repair and self.probe.rows is not None:
+            self.probe.rows.repair()
         return verdict
 
     def _on_read(self, reading: Reading, step: int, *, in_step: bool, closure: bool) -> bool:
@@ -210,16 +225,6 @@ def _rank_of_process() -> tuple[int, int]:
     else:
         rank = int(os.environ.get("RANK", "0"))
     return rank, int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def audit(model: nn.Module, *, vocab_size: int | None = None, tokenizer: Any = None,
-          tensor_parallel: int = 1, pad_multiple: int = 64, embedding: nn.Module | None = None,
-          lm_head: nn.Module | None = None) -> Audit:
-    """The three vocab sizes of `model`, tied or not, and alignment for TP 1/2/4/8."""
-    heads = discover(unwrap(model), embedding=embedding, lm_head=lm_head)
-    real = real_vocab({"vocab_size=": vocab_size}, tokenizer, heads.head_rows)
-    return audit_sizes(real=real, rows=heads.head_rows, embedding_rows=heads.embedding_rows,
-                       tied=heads.tied, pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
 
 
 def attach(

@@ -49,6 +49,7 @@ class Action(StrEnum):
     MASK = "mask"
     SKIP = "skip"
     WARN = "warn"
+    REPAIR = "repair"
     OFF = "off"
 
 
@@ -106,6 +107,19 @@ class LossSpikeCheck(_Strict):
         return self
 
 
+class PaddingRowsCheck(_Strict):
+    """The padding rows [real, rows) of the embedding and lm_head weights, at attach and at
+    each read: non-finite values, or a norm `factor` times the largest real row's."""
+
+    # repair: zero rows give the padding ids no embedding and a constant logit once the guard
+    # is gone, and HF models stop generating them (generation_config.suppress_tokens).
+    action: Literal["repair", "fail", "warn", "off"] = "repair"
+    # A trained or initialised row has a norm within a few times its neighbours' (init std
+    # 0.02 x sqrt(d); training moves rows slowly); a row 10x the largest real one is no token
+    # the model learnt: what torch.empty or a wrong resize leaves (1e30, 1e-30, NaN).
+    factor: float = Field(10.0, gt=1.0, allow_inf_nan=False)
+
+
 class CoverageCheck(_Strict):
     """Every enabled per-step check saw its data in each training step: logits through the
     head, labels, a loss (guard/step/verdict.py says what each needs)."""
@@ -122,6 +136,7 @@ class Checks(_Strict):
     nonfinite: NonfiniteCheck = NonfiniteCheck()
     token_range: TokenRangeCheck = TokenRangeCheck()
     loss_spike: LossSpikeCheck = LossSpikeCheck()
+    padding_rows: PaddingRowsCheck = PaddingRowsCheck()
     coverage: CoverageCheck = CoverageCheck()
 
 
@@ -193,7 +208,8 @@ class Policy(_Strict):
     def host_may_lag(self) -> bool:
         """No per-step check stops or drops a step (warn, mask, off only): the host may read
         the flags one step late and never stall the device."""
-        return all(self.action(c) in (Action.WARN, Action.MASK, Action.OFF) for c in STEP_CHECKS)
+        return all(self.action(c) in (Action.WARN, Action.MASK, Action.REPAIR, Action.OFF)
+                   for c in STEP_CHECKS)
 
     def acting(self, action: Action, checks: tuple[str, ...] = STEP_CHECKS) -> list[str]:
         """The checks among `checks` whose action is `action`."""

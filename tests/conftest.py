@@ -12,9 +12,12 @@ import torch
 
 from guard.demo.model import GPT, GPTConfig
 
-# Tests run without the embedded endpoint unless they start one, and without loss_spike
-# until a test asks for it.
-QUIET: dict[str, Any] = {"export": {"serve": None}, "checks": {"loss_spike": {"action": "off"}}}
+# Tests run without the embedded endpoint unless they start one, and without loss_spike until
+# a test asks for it; padding_rows is off too, so the garbage rows a test puts in stay there
+# for the check under test (tests/guard/device/test_rows.py tests the repair).
+QUIET: dict[str, Any] = {"export": {"serve": None},
+                         "checks": {"loss_spike": {"action": "off"},
+                                    "padding_rows": {"action": "off"}}}
 
 
 def policy(**checks: dict[str, Any]) -> dict[str, Any]:

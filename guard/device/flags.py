@@ -45,6 +45,8 @@ class _Slot(IntEnum):
     FUSED = 18  # forwards whose logits were measured from the final hidden states (no head call)
     NEGATIVE_LABELS = 19  # labels < 0 other than the ignore index (among OOR_LABEL)
     MAX_ID = 20  # the highest id >= real seen (max-combined); 0 when none
+    ROWS_NONFINITE = 21  # non-finite values in the padding rows of the embedding / head
+    ROWS_RATIO = 22  # largest padding-row norm / largest real-row norm (max-combined)
 
 
 _NONFINITE: dict[str, _Slot] = {"logits": _Slot.NF_LOGITS, "hidden": _Slot.NF_HIDDEN,
@@ -64,9 +66,11 @@ _CHECK_SLOTS: dict[str, tuple[_Slot, ...]] = {
     "padding_mass": (_Slot.PM_MAX,),
     "nonfinite": tuple(_NONFINITE.values()),
     "loss_spike": (_Slot.SPIKE,),
+    "padding_rows": (_Slot.ROWS_NONFINITE, _Slot.ROWS_RATIO),
     "coverage": tuple(_BLIND.values()),
 }
-_MAX_SLOTS = frozenset({_Slot.PM_MAX, _Slot.SPIKE, _Slot.SPIKE_RATIO, _Slot.MAX_ID})
+_MAX_SLOTS = frozenset({_Slot.PM_MAX, _Slot.SPIKE, _Slot.SPIKE_RATIO, _Slot.MAX_ID,
+                        _Slot.ROWS_RATIO})
 
 # (local, max-reduced over ranks, 1 + highest rank over its threshold or 0) per slot.
 _Raw = tuple[list[float], list[float], list[float]]
@@ -86,6 +90,7 @@ def _thresholds(policy: Policy) -> list[float]:
         for slot in slots:
             out[slot] = 0.0
     out[_Slot.PM_MAX] = policy.checks.padding_mass.threshold
+    out[_Slot.ROWS_RATIO] = policy.checks.padding_rows.factor
     # A blind step is a coverage violation only where a check that needs the data is on.
     for kind, slot in _BLIND.items():
         if not (policy.enabled("coverage") and any(policy.enabled(c) for c in NEEDS[kind])):
@@ -141,6 +146,11 @@ class Flags:
         if kind == "label":
             self._add(_Slot.NEGATIVE_LABELS, negative)
         self._max(_Slot.MAX_ID, top)
+
+    def add_rows(self, nonfinite: torch.Tensor, ratio: torch.Tensor) -> None:
+        """The padding rows' non-finite values and their largest norm over the real rows'."""
+        self._add(_Slot.ROWS_NONFINITE, nonfinite)
+        self._max(_Slot.ROWS_RATIO, ratio)
 
     def saw(self, kind: SeenKind) -> None:
         """This step's `kind` reached the guard (a device write: fine under torch.compile)."""
@@ -253,6 +263,8 @@ def _values(v: list[float]) -> Values:
         fused=int(v[_Slot.FUSED]),
         negative_labels=int(v[_Slot.NEGATIVE_LABELS]),
         max_id=int(v[_Slot.MAX_ID]),
+        rows_nonfinite=int(v[_Slot.ROWS_NONFINITE]),
+        rows_ratio=v[_Slot.ROWS_RATIO],
     )
 
 

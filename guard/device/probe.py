@@ -23,6 +23,7 @@ from guard.device.checks import (
 from guard.device.compile import compiling, eager_at_top_level
 from guard.device.flags import Flags
 from guard.device.loss import StepLoss
+from guard.device.rows import PaddingRows
 from guard.policy import Policy
 from guard.vocab.discover import Heads
 from guard.vocab.sizes import Audit
@@ -97,10 +98,12 @@ class Probe:
     """The device side of the guard: hooks that add reductions to `flags` and feed the model's
     loss to `loss`; `install` returns their handles (the guard owns and removes them)."""
 
-    def __init__(self, cfg: ProbeConfig, flags: Flags, loss: StepLoss) -> None:
+    def __init__(self, cfg: ProbeConfig, flags: Flags, loss: StepLoss,
+                 rows: PaddingRows | None = None) -> None:
         self.cfg = cfg
         self.flags = flags
         self.loss = loss
+        self.rows = rows  # the padding rows of the weights, checked before each read
         self._step = 0
         # The sampling offset as a device tensor too, for compiled forwards (`_sample`).
         self._offset = torch.zeros((), dtype=torch.int64)
@@ -116,6 +119,11 @@ class Probe:
         """A new step starts: move the sampling offset (a device write, never a read)."""
         self._step = step
         self._offset.fill_(step)
+
+    def check_weights(self) -> None:
+        """Before a read: the padding rows of the weights into the flags (device ops)."""
+        if self.rows is not None:
+            self.rows.check()
 
     def install(self, model: nn.Module, heads: Heads) -> list[RemovableHandle]:
         """Hooks for the enabled checks only: a check that is off costs nothing."""

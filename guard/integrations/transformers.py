@@ -84,7 +84,8 @@ def _normalises_by_window(model: nn.Module) -> bool:
 
 class PaddingMaskLogitsProcessor(LogitsProcessor):
     """Sets the scores of ids >= `vocab_real` to -inf: `generate()` only emits ids the
-    tokenizer has, whatever the padding rows of the head hold.
+    tokenizer has, whatever the padding rows of the head hold; log-probabilities (beam search)
+    are renormalised over the real ids, so beams score as with a real-vocab head.
 
     Needed where no guard with `padding_mass.action: mask` is attached (that one already masks
     the head's output, in eval too): `model.generate(ids, logits_processor=
@@ -101,4 +102,13 @@ class PaddingMaskLogitsProcessor(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         # (batch, rows); a copy, as other processors return: the caller's scores stay as given.
-        return mask_padding_(scores.clone(), self.vocab_real)
+        out = mask_padding_(scores.clone(), self.vocab_real)
+        # Beam search hands log-probabilities normalised over every column, the padding ones
+        # included: renormalised over the real columns, each beam is scored as by a model
+        # whose head has the real vocab only. Raw logits (greedy, sampling) are left as they
+        # are: a constant per row would change no choice, but would change output_scores.
+        lse = torch.logsumexp(scores.float(), dim=-1)  # (batch,)
+        if bool(torch.all(lse.abs() < 1e-3)):  # generation, not training: a host read is fine
+            real = out[..., : self.vocab_real]
+            real -= torch.logsumexp(real.float(), dim=-1, keepdim=True).to(real.dtype)
+        return out

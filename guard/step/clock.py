@@ -134,6 +134,7 @@ class StepClock:
             return False
         # On the CPU a copy to the host is the read itself: nothing to gain from lagging.
         lagged = self.may_lag and self.flags.device.type == "cuda"
+        self.probe.check_weights()
         reading = self.flags.read(lagged=lagged)
         step = self._read_step if lagged else self.step
         self._read_step = self.step

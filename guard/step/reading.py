@@ -23,6 +23,8 @@ class Values:
     fused: int = 0  # forwards measured from the final hidden states: the head was not called
     negative_labels: int = 0  # of out_of_range["label"], those below 0
     max_id: int = 0  # the highest out-of-range id >= real; 0 when none
+    rows_nonfinite: int = 0  # non-finite values in the padding rows of the weights
+    rows_ratio: float = 0.0  # their largest norm over the largest real row's (inf: non-finite)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ _NEXT = {
     Action.SKIP: "skipping this optimizer step (action: skip)",
     Action.MASK: "masking the padding columns to -inf (action: mask)",
     Action.WARN: "continuing (action: warn)",
+    Action.REPAIR: "setting them to 0 in place (action: repair)",
 }
 
 
@@ -162,6 +163,22 @@ def _loss_spike(c: _Context) -> _Found:
         "unmasked padding columns, a bad batch or a too high learning rate."))
 
 
+def _padding_rows(c: _Context) -> _Found:
+    factor = c.policy.checks.padding_rows.factor
+    bad, ratio = c.glob.rows_nonfinite, c.glob.rows_ratio
+    seen = ", ".join(part for part in (
+        f"{bad} non-finite values" if bad else "",
+        f"the largest norm {_fmt(ratio)}x the largest real row's" if ratio > factor else "",
+    ) if part)
+    fix = ("" if c.policy.action("padding_rows") is Action.REPAIR else
+           " Set checks.padding_rows.action: repair to zero them.")
+    return _Found(ratio if not bad else float(bad), factor, (
+        f"rows [{c.real}, {c.rows}) of the embedding / {c.head} weights: {seen}, expected "
+        f"finite and <= {factor:g}x: what an uninitialised resize leaves, which poisons the "
+        f"logits wherever the mask is not (evaluation, generation, a saved checkpoint); "
+        f"{c.next}.{fix}"))
+
+
 def _blind(kind: str, head: str) -> str:
     """What was not seen, the likely cause and the fix, per kind of data."""
     return {
@@ -201,6 +218,7 @@ _DESCRIBE: dict[str, Callable[[_Context], _Found | None]] = {
     "padding_mass": _padding_mass,
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
+    "padding_rows": _padding_rows,
     "coverage": _coverage,
 }
 

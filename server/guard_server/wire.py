@@ -31,10 +31,11 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
 ]
 
 CheckName = Literal[
-    "alignment", "vocab", "padding_mass", "nonfinite", "token_range", "loss_spike", "coverage"
+    "alignment", "vocab", "padding_mass", "nonfinite", "token_range", "loss_spike",
+    "padding_rows", "coverage",
 ]
 # "off" never appears on the wire: an off check records nothing.
-ActionName = Literal["fail", "mask", "skip", "warn"]
+ActionName = Literal["fail", "mask", "skip", "warn", "repair"]
 CHECKS: tuple[str, ...] = get_args(CheckName)
 ACTIONS: tuple[str, ...] = get_args(ActionName)
 

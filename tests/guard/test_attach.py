@@ -17,7 +17,7 @@ STATS_KEYS = {"step", "loss", "padding_mass", "padding_mass_max", "nonfinite", "
               "violations", "skipped_steps"}
 ALL_WARN = policy(alignment={"action": "warn"}, vocab={"action": "warn"},
                   padding_mass={"action": "warn"}, nonfinite={"action": "warn"},
-                  token_range={"action": "warn"})
+                  token_range={"action": "warn"}, padding_rows={"action": "warn"})
 
 
 def train(model: nn.Module, steps: int, *, g: guard.Guard | None = None,

@@ -178,11 +178,16 @@ def test_generate_never_emits_padding_ids(use_cache: bool) -> None:
             < real).all()
 
 
-def test_logits_processor_leaves_the_scores_it_is_given() -> None:
-    scores = torch.randn(2, 64)
+def test_logits_processor_masks_logits_and_renormalises_log_probabilities() -> None:
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    scores = torch.randn(2, 64) * 3  # raw logits (greedy, sampling): masked, nothing else
     given = scores.clone()
-    out = PaddingMaskLogitsProcessor(40)(torch.zeros(2, 3, dtype=torch.long), scores)
+    out = PaddingMaskLogitsProcessor(40)(ids, scores)
     assert torch.equal(scores, given) and torch.equal(out[:, :40], given[:, :40])
+    assert torch.isneginf(out[:, 40:]).all()
+    log_probs = torch.log_softmax(scores, dim=-1)  # what beam search hands the processors
+    out = PaddingMaskLogitsProcessor(40)(ids, log_probs)
+    assert torch.allclose(out[:, :40], torch.log_softmax(scores[:, :40], dim=-1), atol=1e-6)
     assert torch.isneginf(out[:, 40:]).all()
     with pytest.raises(ValueError, match="positive int"):
         PaddingMaskLogitsProcessor(0)
@@ -224,3 +229,25 @@ def test_compute_loss_func_is_reported_blind_at_step_one(tmp_path: Path,
     assert "token_range saw no labels" in blind[0]
     assert "nonfinite and loss_spike saw no loss" in blind[0]
     assert cb.guard is not None and cb.guard.stats["violations"]["coverage"] == {"warn": 3}
+
+
+def test_beam_search_with_the_processor_equals_the_real_vocab_model() -> None:
+    """Garbage padding rows, no guard: beams and their scores as with a head over the real
+    vocab only (greedy and sampling were right before; beam search was scored on garbage)."""
+    tok = word_tokenizer()
+    real = len(tok)
+    padded = gpt2(real, garbage=4.0)
+    ref = gpt2(real)
+    ref.resize_token_embeddings(real)  # the same weights, cut to the real rows
+    with torch.no_grad():
+        ref.get_input_embeddings().weight.copy_(padded.get_input_embeddings().weight[:real])
+    prompt = torch.tensor([[2, 3], [4, 5]])
+    kw = {"max_new_tokens": 12, "num_beams": 3, "do_sample": False, "pad_token_id": 1,
+          "output_scores": True, "return_dict_in_generate": True}
+    processors = LogitsProcessorList([PaddingMaskLogitsProcessor(real)])
+    padded.eval()
+    ref.eval()
+    got = padded.generate(prompt, logits_processor=processors, **kw)
+    want = ref.generate(prompt, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.allclose(got.sequences_scores, want.sequences_scores, atol=1e-4)

@@ -23,7 +23,7 @@ def test_an_empty_read_has_no_values_and_nothing_fired() -> None:
     assert r.local.nonfinite == {"logits": 0, "hidden": 0, "loss": 0}
     assert r.local.out_of_range == {"input": 0, "label": 0}
     assert r.over == dict.fromkeys(("token_range", "padding_mass", "nonfinite", "loss_spike",
-                                    "coverage"))
+                                    "padding_rows", "coverage"))
 
 
 def test_reading_names_the_values_as_on_the_wire() -> None:
@@ -50,7 +50,7 @@ def test_reading_names_the_values_as_on_the_wire() -> None:
     assert (v.negative_labels, v.max_id) == (2, 130)
     # Each check that crossed its threshold names this rank (2); the others none.
     assert r.over == {"token_range": 2, "padding_mass": 2, "nonfinite": 2, "loss_spike": 2,
-                      "coverage": None}
+                      "padding_rows": None, "coverage": None}
 
 
 def test_the_padding_mass_threshold_is_the_policys() -> None:

@@ -13,7 +13,8 @@ from guard.step.verdict import Verdict, Violation, attach_verdict, judge
 from guard.vocab.sizes import audit_sizes
 from tests.conftest import policy
 
-NONE = dict.fromkeys(("token_range", "padding_mass", "nonfinite", "loss_spike"))
+NONE = dict.fromkeys(("token_range", "padding_mass", "nonfinite", "loss_spike", "padding_rows",
+                      "coverage"))
 
 
 def reading(over: dict[str, int], local: Values | None = None, **glob: Any) -> Reading:
