@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.errors import CheckpointError
+from guard.vocab.safetensors_rows import RowStats, row_stats
 from guard.vocab.sizes import Audit, audit_sizes
 from guard.vocab.tokenizer_files import load_json, tokenizer_vocab
 
@@ -133,10 +134,12 @@ class CheckpointAudit:
     lm_head: TensorInfo | None  # None: absent from the checkpoint, tied to the embedding
     tie_source: str
     audit: Audit
+    padding_rows: tuple[RowStats, ...] = ()
+    unread_rows: tuple[str, ...] = ()  # tensors whose dtype the row reader does not decode
 
     @property
     def ok(self) -> bool:
-        return self.audit.ok
+        return self.audit.ok and all(r.ok for r in self.padding_rows)
 
     def to_dict(self) -> dict[str, object]:
         def tensor(t: TensorInfo | None) -> dict[str, object] | None:
@@ -145,7 +148,9 @@ class CheckpointAudit:
         return {"path": self.path, "config_vocab_size": self.config_vocab_size,
                 "real_source": self.real_source, "embedding": tensor(self.embedding),
                 "lm_head": tensor(self.lm_head), "tie_source": self.tie_source,
-                "audit": self.audit.to_dict(), "ok": self.ok}
+                "audit": self.audit.to_dict(),
+                "padding_rows": [r.to_dict() for r in self.padding_rows],
+                "unread_rows": list(self.unread_rows), "ok": self.ok}
 
     def __str__(self) -> str:
         e, h = self.embedding, self.lm_head
@@ -159,16 +164,29 @@ class CheckpointAudit:
             f"  lm_head       {head}",
             f"  tied          {'yes' if self.audit.tied else 'no'} ({self.tie_source})",
         ]
-        return "\n".join(lines) + "\n" + str(self.audit)
+        lines += [f"  rows          {r.describe()}" for r in self.padding_rows]
+        lines += [f"  rows          {name}: dtype not read; its padding rows are not checked"
+                  for name in self.unread_rows]
+        bad = [r for r in self.padding_rows if not r.ok]
+        text = "\n".join(lines) + "\n" + str(self.audit)
+        if bad:
+            text += ("\n  padding rows NOT OK: " + "; ".join(r.describe() for r in bad) +
+                     "\n  fix: set them to 0 (guard.attach's checks.padding_rows.action: repair "
+                     "does it in place) and save again; until then they take probability "
+                     "wherever the padding columns are not masked")
+        return text
 
 
 def audit_checkpoint(path: str | Path, *, tensor_parallel: int = 1, pad_multiple: int = 64,
                      vocab_size: int | None = None) -> CheckpointAudit:
     """Audit a model directory; raises CheckpointError when it cannot be read."""
     d = Path(path)
+    expected = "expected a Hugging Face model directory (config.json, tokenizer files, " \
+               "*.safetensors)"
+    if not d.exists():
+        raise CheckpointError(str(d), f"does not exist; {expected}")
     if not d.is_dir():
-        raise CheckpointError(str(d), "not a directory; expected a Hugging Face model "
-                              "directory (config.json, tokenizer files, *.safetensors)")
+        raise CheckpointError(str(d), f"not a directory; {expected}")
     config = load_json(d / "config.json", "the model's config.json (a JSON object)")
     if not isinstance(config, dict):
         raise CheckpointError(str(d / "config.json"), "expected a JSON object")
@@ -206,4 +224,22 @@ def audit_checkpoint(path: str | Path, *, tensor_parallel: int = 1, pad_multiple
                       pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
     if problems:
         aud = replace(aud, vocab_problems=aud.vocab_problems + tuple(problems))
-    return CheckpointAudit(str(d), cfg_vocab, source, emb, head, tie_source, aud)
+    rows_read, unread = _padding_rows(d, real, [emb] if head is None else [emb, head])
+    return CheckpointAudit(str(d), cfg_vocab, source, emb, head, tie_source, aud, rows_read,
+                           unread)
+
+
+def _padding_rows(d: Path, real: int,
+                  tensors: list[TensorInfo]) -> tuple[tuple[RowStats, ...], tuple[str, ...]]:
+    """The padding rows [real, rows) of each tensor (read as a slice), and the tensors whose
+    dtype this audit does not decode."""
+    read, unread = [], []
+    for t in tensors:
+        if t.shape[0] <= real:
+            continue
+        stats = row_stats(d / t.file, t.name, real, t.shape[0])
+        if stats is None:
+            unread.append(t.name)
+        else:
+            read.append(stats)
+    return tuple(read), tuple(unread)

@@ -84,8 +84,12 @@ def tokenizer_vocab(d: Path) -> tuple[int | None, str]:
         listed = data.get("added_tokens") or []
         added = [t.get("id") for t in listed if isinstance(t, dict)] if isinstance(listed, list) \
             else []
-        ids.update(a for a in added if isinstance(a, int))
-        source = f"tokenizer.json ({len(vocab)} in the model, {len(added)} added tokens)"
+        # Added tokens include specials the model vocab already has ([UNK], [PAD]): only the
+        # new ones add ids.
+        new = {a for a in added if isinstance(a, int)} - ids
+        source = (f"tokenizer.json ({len(ids)} ids in the model + {len(new)} added tokens not "
+                  "among them)")
+        ids.update(new)
     elif (d / "vocab.json").exists():
         vocab = load_json(d / "vocab.json", "a JSON object of token -> id")
         if not isinstance(vocab, dict):

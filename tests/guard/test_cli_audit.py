@@ -94,3 +94,24 @@ def test_the_installed_command(models: dict[str, Path]) -> None:
     done = subprocess.run([str(exe), "audit", str(models["unaligned"]), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and json.loads(done.stdout)["audit"]["rows"] == 100
+
+
+def test_garbage_rows_exit_1_with_the_rows_in_json(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    d = write_model(tmp_path, 100, real=100, resize_to=128, padding=float("nan"))
+    code, out, _ = run(capsys, str(d))
+    assert code == 1 and "padding rows NOT OK" in out
+    code, out, _ = run(capsys, str(d), "--json")
+    data = json.loads(out)
+    assert code == 1 and data["ok"] is False
+    assert data["padding_rows"][0]["rows"] == [100, 128]
+    assert data["padding_rows"][0]["nonfinite"] == 224
+
+
+def test_audit_imports_no_torch(models: dict[str, Path]) -> None:
+    code = ("import sys\nfrom guard.cli import main\n"
+            f"status = main(['audit', {str(models['clean'])!r}])\n"
+            "print(status, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[-2:] == ["0", "False"]

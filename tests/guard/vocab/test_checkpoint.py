@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from guard.vocab.checkpoint import audit_checkpoint, safetensors_shapes
 
 
 def write_model(d: Path, rows: int, *, real: int | None = None, tie: bool = True,
-                shard: bool = False, resize_to: int | None = None) -> Path:
+                shard: bool = False, resize_to: int | None = None,
+                padding: float | None = None, dtype: torch.dtype | None = None) -> Path:
     """A 1-layer GPT-2 with `rows` vocab rows saved by save_pretrained, and, with `real`, a
     local tokenizer of `real` ids (3 of them added tokens) saved beside it."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -25,6 +27,14 @@ def write_model(d: Path, rows: int, *, real: int | None = None, tie: bool = True
     m = GPT2LMHeadModel(cfg)
     if resize_to is not None:
         m.resize_token_embeddings(resize_to, mean_resizing=False)
+    if padding is not None and real is not None:  # what an uninitialised resize leaves
+        with torch.no_grad():
+            for w in {id(m.get_input_embeddings().weight): m.get_input_embeddings().weight,
+                      id(m.get_output_embeddings().weight): m.get_output_embeddings().weight
+                      }.values():
+                w[real:] = padding
+    if dtype is not None:
+        m = m.to(dtype)
     m.save_pretrained(d, max_shard_size="5KB" if shard else "5GB")
     if real is not None:
         write_tokenizer(d, real)
@@ -64,7 +74,8 @@ def test_aligned_tied_model_with_padding_rows(tmp_path: Path) -> None:
         "checkpoint"
     assert a.embedding.name == "transformer.wte.weight" and a.embedding.shape == (128, 8)
     assert a.audit.aligned_for_tp == {1: True, 2: True, 4: False, 8: False}
-    assert a.real_source == "tokenizer.json (97 in the model, 4 added tokens)"
+    # 97 ids + 3 added tokens (the 4th added one, the unk t0, is one of the 97) = 100.
+    assert a.real_source == "tokenizer.json (97 ids in the model + 3 added tokens not among them)"
     text = str(a)
     assert "verdict: ok" in text and "columns [100, 128) are padding" in text
     assert "transformer.wte.weight [128, 8] in model.safetensors" in text
@@ -155,6 +166,66 @@ def test_only_the_header_is_read(tmp_path: Path) -> None:
     assert safetensors_shapes(p) == {"model.embed_tokens.weight": (10**9, 4096)}
 
 
+# -- the padding rows, read from the safetensors files -----------------------------------------
+
+
+@pytest.mark.parametrize(("padding", "dtype", "seen"), [
+    (1e6, None, r"the largest norm 2\.83e\+06 \(row 100\) is .*x the largest sampled real row's"),
+    (float("nan"), None, r"224 non-finite values \(rows 100, 101, 102, 103, 104\)"),
+    (1e6, torch.bfloat16, r"the largest norm 2\.83e\+06"),
+    (float("inf"), torch.float16, r"224 non-finite values"),
+])
+def test_garbage_padding_rows_are_a_violation(tmp_path: Path, padding: float,
+                                              dtype: torch.dtype | None, seen: str) -> None:
+    a = audit_checkpoint(write_model(tmp_path, 100, real=100, resize_to=128, padding=padding,
+                                     dtype=dtype))
+    assert a.audit.ok and not a.ok  # the sizes are right, the rows are not
+    (rows,) = a.padding_rows
+    assert (rows.tensor, rows.start, rows.stop) == ("transformer.wte.weight", 100, 128)
+    text = str(a)
+    assert re.search(r"padding rows NOT OK: padding rows \[100, 128\) of "
+                     r"transformer\.wte\.weight: " + seen, text), text
+    assert "fix: set them to 0" in text
+    assert a.to_dict()["padding_rows"][0]["ok"] is False
+
+
+def test_sharded_untied_rows_are_read_from_their_own_shards(tmp_path: Path) -> None:
+    d = write_model(tmp_path, 100, real=100, tie=False, shard=True, resize_to=128,
+                    padding=float("nan"))
+    a = audit_checkpoint(d)
+    assert [(r.tensor, r.nonfinite) for r in a.padding_rows] == [
+        ("transformer.wte.weight", 224), ("lm_head.weight", 224)]
+    assert not a.ok
+
+
+def test_only_the_rows_are_read_not_the_tensor(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    d = write_model(tmp_path, 8160, real=8160, resize_to=8192)  # 8192 x 8 float32: 256 KiB
+    read = {"bytes": 0}
+    real_open = Path.open
+
+    def counting_open(self: Path, *args: object, **kwargs: object) -> object:
+        f = real_open(self, *args, **kwargs)  # type: ignore[call-overload]
+        if self.suffix != ".safetensors":
+            return f
+        original = f.read
+
+        def read_counted(n: int = -1) -> bytes:
+            data: bytes = original(n)
+            read["bytes"] += len(data)
+            return data
+
+        f.read = read_counted
+        return f
+
+    monkeypatch.setattr(Path, "open", counting_open)
+    a = audit_checkpoint(d)
+    assert a.ok and a.padding_rows[0].stop == 8192
+    # The 32 padding rows and 64 sampled real rows (32 bytes each) and the headers, not the
+    # 256 KiB embedding.
+    assert read["bytes"] < (32 + 64) * 32 + 20_000 < 8192 * 32
+
+
 # -- unreadable input ------------------------------------------------------------------------
 
 
@@ -214,6 +285,9 @@ def test_no_safetensors_or_no_embedding(tmp_path: Path) -> None:
         audit_checkpoint(d)
 
 
-def test_not_a_directory(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="not a directory"):
+def test_a_missing_path_and_a_file_are_named_as_such(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"nope: does not exist; expected a Hugging Face"):
         audit_checkpoint(tmp_path / "nope")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CheckpointError, match=r"f: not a directory; expected a Hugging Face"):
+        audit_checkpoint(tmp_path / "f")

@@ -15,7 +15,8 @@ def test_fast_tokenizer_json_counts_the_model_and_its_added_tokens(tmp_path: Pat
     (tmp_path / "tokenizer.json").write_text(json.dumps({
         "model": {"vocab": {f"t{i}": i for i in range(50)}},
         "added_tokens": [{"id": 50, "content": "<pad>"}, {"id": 60, "content": "<x>"}]}))
-    assert tokenizer_vocab(tmp_path) == (61, "tokenizer.json (50 in the model, 2 added tokens)")
+    assert tokenizer_vocab(tmp_path) == (61, "tokenizer.json (50 ids in the model + 2 added tokens "
+                                         "not among them)")
 
 
 def test_real_vocab_from_slow_and_sentencepiece_files(tmp_path: Path) -> None:
