@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from guard.device.checks import masked_logits
 from guard.device.loss import LossShares
 from guard.errors import AttachError
 from guard.guard import Guard, attach
@@ -64,12 +66,14 @@ class GuardedTraining:
         self.vocab_size, self.tokenizer, self.vocab_shard = vocab_size, tokenizer, vocab_shard
         self.embedding, self.lm_head = embedding, lm_head
         self.guard: Guard | None = None  # the last one attached; its stats stay readable
+        self._mask_after: RemovableHandle | None = None  # see finish()
 
     def _attach(self, model: nn.Module, *, optimizer: Any = None, processing_class: Any = None,
                 steps: Steps = "auto", loss_shares: LossShares = "last",
                 loss_scale: float = 1.0) -> Guard:
         """Attach to `model`; the trainer's tokenizer gives the real vocab unless one was given."""
         self._detach()  # a run that raised leaves its guard attached until the next one
+        self.release()
         tokenizer = self.tokenizer
         if tokenizer is None and self.vocab_size is None and self.policy.vocab.real_size is None:
             tokenizer = _tokenizer_of(processing_class)
@@ -86,3 +90,28 @@ class GuardedTraining:
     def _detach(self) -> None:
         if self.guard is not None:
             self.guard.detach()
+
+    def finish(self) -> None:
+        """At the end of training: detach the guard, and under `mask` keep masking the padding
+        columns of the head's output in this process, so evaluation and generation after
+        training score as a head over the real vocab does (the weights' padding rows are
+        repaired and HF generation suppresses the padding ids either way: docs/integrations.md,
+        what the callbacks leave behind). `release()` removes that mask."""
+        g = self.guard
+        self._detach()
+        if g is None or not g.policy.masks or g.real >= g.rows or self.vocab_shard is not None:
+            return
+        real, rows = g.real, g.rows
+
+        def mask(module: nn.Module, args: Any, out: Any) -> Any:
+            if isinstance(out, torch.Tensor) and out.shape[-1] == rows:
+                return masked_logits(out, real)
+            return None
+
+        self._mask_after = g.heads.lm_head.register_forward_hook(mask)
+
+    def release(self) -> None:
+        """Remove the mask `finish()` left on the head; idempotent."""
+        if self._mask_after is not None:
+            self._mask_after.remove()
+            self._mask_after = None

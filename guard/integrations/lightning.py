@@ -73,7 +73,7 @@ class GuardCallback(GuardedTraining, pl.Callback):
         self.guard.step(loss, fallback=True)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._detach()
+        self.finish()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:

@@ -70,7 +70,7 @@ class GuardCallback(GuardedTraining, TrainerCallback):
                 "train a head without padding rows")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._detach()
+        self.finish()
 
 
 def _normalises_by_window(model: nn.Module) -> bool:

@@ -72,6 +72,8 @@ def test_fit_is_guarded_per_optimizer_step_and_detached() -> None:
     s = cb.guard.stats if cb.guard else {}
     assert s["step"] == 3 and s["loss"] == pytest.approx(lm.losses[-1])
     assert s["violations"] == {"padding_mass": {"mask": 3}} and s["padding_mass"] > 0.05
+    assert hook_count(lm) == 1  # the after-training mask on the head, until release()
+    cb.release()
     assert hook_count(lm) == 0
 
 
@@ -99,3 +101,21 @@ def test_fail_stops_fit_before_the_update_with_the_guards_message() -> None:
     assert (e.value.check, e.value.step) == ("token_range", 1)
     assert all(torch.equal(before[k], v) for k, v in lm.state_dict().items())
     assert hook_count(lm) == 0  # on_exception detached it
+
+
+def test_generation_after_fit_never_picks_a_padding_id() -> None:
+    lm = LM(garbage=1e3)  # garbage far larger than any real logit
+    cb = GuardCallback(policy={"export": {"serve": None}}, vocab_size=100)  # the defaults
+    fit(lm, cb, 3, loader())
+    assert cb.guard is not None
+    assert cb.guard.stats["violations"]["padding_rows"] == {"repair": 1}
+    model = lm.model.eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for _ in range(20):  # greedy decoding, as generate() does it
+            logits, _ = model(ids[:, -32:])
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert (ids < 100).all()
+        assert torch.isneginf(model(ids[:, -32:])[0][..., 100:]).all()  # still masked
+    cb.release()  # the rows stay repaired: zeros, no longer garbage
+    assert torch.count_nonzero(model.lm_head.weight[100:]) == 0

@@ -91,7 +91,10 @@ def test_trainer_is_guarded_step_by_step_and_detached_at_the_end(tmp_path: Path)
     assert isinstance(s["loss"], float) and s["loss"] > 0  # the model output's .loss
     assert s["padding_mass"] is not None and s["padding_mass"] > 0.01
     assert s["violations"] == {"padding_mass": {"mask": 3}}
-    assert hook_count(model) == 0 and not g.optimizer._optimizer_step_pre_hooks
+    # Detached: only the after-training mask on the head is left, until release().
+    assert hook_count(model) == 1 and not g.optimizer._optimizer_step_pre_hooks
+    cb.release()
+    assert hook_count(model) == 0
 
 
 def test_gradient_accumulation_reports_the_trainers_step_loss(tmp_path: Path) -> None:
@@ -251,3 +254,75 @@ def test_beam_search_with_the_processor_equals_the_real_vocab_model() -> None:
     want = ref.generate(prompt, **kw)
     assert torch.equal(got.sequences, want.sequences)
     assert torch.allclose(got.sequences_scores, want.sequences_scores, atol=1e-4)
+
+
+# -- after training: evaluation, generation and checkpoints without the guard ---------------
+
+
+def real_vocab_copy(model: GPT2LMHeadModel, real: int) -> GPT2LMHeadModel:
+    """The same weights with a head over the real vocab only: the reference."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    for h in list(ref.lm_head._forward_hooks):  # a copy of the model copies its hooks too
+        del ref.lm_head._forward_hooks[h]
+    ref.resize_token_embeddings(real)
+    return ref
+
+
+def generated_ids(model: nn.Module, **kw: Any) -> torch.Tensor:
+    prompt = torch.tensor([[2, 3, 4], [5, 6, 7]])
+    model.eval()
+    torch.manual_seed(0)
+    out: torch.Tensor = model.generate(prompt, max_new_tokens=16, pad_token_id=1, **kw)
+    return out[:, prompt.shape[1]:]
+
+
+MODES = {"greedy": {"do_sample": False}, "sample": {"do_sample": True, "top_k": 0},
+         "beam": {"do_sample": False, "num_beams": 3}}
+
+
+def test_after_train_evaluate_generate_save_and_load_are_safe(tmp_path: Path) -> None:
+    import math
+
+    from guard.cli import main as guard_cli
+
+    tok = word_tokenizer()
+    real = len(tok)
+    model = gpt2(real, garbage=1.0)  # an uninitialised resize: garbage padding rows
+    cb = GuardCallback(policy={"export": {"serve": None}})  # the default policy
+    data = examples(tok)
+    t = trainer(model, tok, data, cb, tmp_path / "run")
+    t.train()
+    assert cb.guard is not None
+    assert cb.guard.stats["violations"]["padding_rows"] == {"repair": 1}
+    assert torch.count_nonzero(model.lm_head.weight[real:]) == 0  # repaired at attach
+
+    # evaluate() after train(): the real-vocab model's loss, up to float noise.
+    ref = real_vocab_copy(model, real)
+    eval_loss = t.evaluate(eval_dataset=data)["eval_loss"]
+    ref_loss = trainer(ref, tok, data, GuardCallback(policy={"export": {"serve": None}}),
+                       tmp_path / "ref").evaluate(eval_dataset=data)["eval_loss"]
+    assert eval_loss == pytest.approx(ref_loss, abs=1e-5)
+    # generate(): greedy, sampling and beam search never emit a padding id.
+    for kw in MODES.values():
+        assert (generated_ids(model, **kw) < real).all()
+
+    # save -> load, in a model no guard or hook has seen.
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    loaded = GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.generation_config.suppress_tokens == list(range(real, 64))
+    for kw in MODES.values():
+        assert (generated_ids(loaded, **kw) < real).all()
+    # Its loss is the reference's plus the padding columns' residual probability: zero rows
+    # give them logit 0, so per token the loss grows by log(1 + P exp(-lse_real)).
+    x = torch.stack([d["input_ids"] for d in data])
+    with torch.no_grad():
+        lse = torch.logsumexp(ref(x).logits[:, :-1], dim=-1)  # (B, T-1)
+        bound = float(torch.log1p((64 - real) * torch.exp(-lse)).mean())
+        got = float(loaded(x, labels=x).loss)
+        want = float(ref(x, labels=x).loss)
+    assert want <= got <= want + bound + 1e-5 and math.isfinite(bound)
+    assert guard_cli(["audit", str(out)]) == 0  # no garbage left behind
