@@ -184,8 +184,10 @@ class Guard:
 
     def _judge(self, reading: Reading, step: int, *, rerun: bool) -> Verdict:
         self.record.update(reading.local, step)
+        rows = self.probe.rows
         verdict = judge(reading, self.policy, step=step, real=self.probe.cfg.real,
-                        rows=self.rows, head=self.heads.lm_head_name)
+                        rows=self.rows, head=self.heads.lm_head_name,
+                        weights=rows.names if rows is not None else "the padding rows")
         if self.episodes is not None:
             verdict, note = self.episodes.annotate(verdict, rerun_now=rerun,
                                                    step=self.clock.step, rank=self.rank)
@@ -194,8 +196,8 @@ class Guard:
         self.record.add(verdict)
         repair = [v for v in verdict.violations
                   if v.check == "padding_rows" and v.action is Action.REPAIR]
-        if repair and self.probe.rows is not None:
-            self.probe.rows.repair()
+        if repair and rows is not None:
+            rows.repair()
         return verdict
 
     def _on_read(self, reading: Reading, step: int, *, in_step: bool, closure: bool) -> bool:

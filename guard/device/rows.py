@@ -36,9 +36,13 @@ class PaddingRows:
         weights: list[tuple[str, torch.Tensor]] = []
         for name, module in zip(names, (embedding, head), strict=True):
             w = getattr(module, "weight", None)
-            if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] > real \
-                    and not any(w is seen for _, seen in weights):
+            if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] > real):
+                continue
+            tied = next((i for i, (_, seen) in enumerate(weights) if seen is w), None)
+            if tied is None:
                 weights.append((f"{name}.weight", w))
+            else:  # one tensor: checked and repaired once, named twice
+                weights[tied] = (f"{weights[tied][0]} (tied: {name}.weight)", w)
         return cls(weights, real, flags) if weights else None
 
     @property

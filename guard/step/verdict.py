@@ -98,6 +98,7 @@ class _Context:
     real: int
     rows: int
     head: str  # the head's name in the model
+    weights: str  # the weights whose padding rows are checked, by name
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def _padding_rows(c: _Context) -> _Found:
     fix = ("" if c.policy.action("padding_rows") is Action.REPAIR else
            " Set checks.padding_rows.action: repair to zero them.")
     return _Found(ratio if not bad else float(bad), factor, (
-        f"rows [{c.real}, {c.rows}) of the embedding / {c.head} weights: {seen}, expected "
+        f"rows [{c.real}, {c.rows}) of {c.weights}: {seen}, expected "
         f"finite and <= {factor:g}x: what an uninitialised resize leaves, which poisons the "
         f"logits wherever the mask is not (evaluation, generation, a saved checkpoint); "
         f"{c.next}.{fix}"))
@@ -224,10 +225,11 @@ _DESCRIBE: dict[str, Callable[[_Context], _Found | None]] = {
 
 
 def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
-          head: str = "lm_head") -> Verdict:
+          head: str = "lm_head", weights: str = "the embedding / lm_head weights") -> Verdict:
     """The verdict on the all-rank values, so every rank decides alike.
 
-    `real` and `rows`: the whole head's real vocab and rows; `head` its name, for the messages.
+    `real` and `rows`: the whole head's real vocab and rows; `head` its name and `weights`
+    those whose padding rows are checked, for the messages.
     """
     out = []
     for check, describe in _DESCRIBE.items():
@@ -235,7 +237,7 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
         if rank is None or not policy.enabled(check):
             continue
         action = policy.action(check)
-        f = describe(_Context(reading.glob, policy, _NEXT[action], real, rows, head))
+        f = describe(_Context(reading.glob, policy, _NEXT[action], real, rows, head, weights))
         if f is None:
             continue
         out.append(Violation(check, action, step, f"{check} on rank {rank} at step {step}: "

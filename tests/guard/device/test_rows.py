@@ -31,8 +31,8 @@ def test_the_default_repairs_garbage_rows_at_attach(caplog: pytest.LogCaptureFix
         m(*batch())[1].backward()
         g.step()
     assert g.stats["violations"]["padding_rows"] == {"repair": 1}  # repaired rows stay clean
-    assert "padding_rows on rank 0 at step 0: rows [100, 128) of the embedding / lm_head " \
-           "weights: the largest norm" in caplog.text
+    assert "padding_rows on rank 0 at step 0: rows [100, 128) of wte.weight (tied: " \
+           "lm_head.weight): the largest norm" in caplog.text
     assert "setting them to 0 in place (action: repair)" in caplog.text
 
 
@@ -53,7 +53,7 @@ def test_non_finite_rows_are_repaired_so_the_mask_can_train() -> None:
 def test_fail_at_attach_stops_before_step_one_and_changes_nothing() -> None:
     m = tiny_gpt(garbage=1e6)
     with pytest.raises(GuardViolation, match=r"padding_rows on rank 0 at step 0: rows \[100, "
-                       r"128\) of the embedding / lm_head weights: the largest norm .*x the "
+                       r"128\) of wte\.weight \(tied: lm_head\.weight\): the largest norm .*x the "
                        r"largest real row's, expected finite and <= 10x.*stopping \(action: "
                        r"fail\)\. Set checks\.padding_rows\.action: repair") as e:
         guard.attach(m, policy=rows_policy("fail"), vocab_size=100)
