@@ -11,7 +11,8 @@ if _TYPE_CHECKING:
     from guard.device.checks import padding_mass
     from guard.errors import AttachError, GuardError, GuardViolation, PolicyError
     from guard.guard import Guard, attach
-    from guard.policy import Policy, load_policy
+    from guard.policy import Policy
+    from guard.policy_file import load_policy
     from guard.vocab.discover import audit
     from guard.vocab.sizes import Audit, pad_vocab_size
 
@@ -40,7 +41,7 @@ _WHERE = {
     "PolicyError": "guard.errors",
     "attach": "guard.guard",
     "audit": "guard.vocab.discover",
-    "load_policy": "guard.policy",
+    "load_policy": "guard.policy_file",
     "pad_vocab_size": "guard.vocab.sizes",
     "padding_mass": "guard.device.checks",
 }

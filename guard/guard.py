@@ -20,7 +20,8 @@ from guard.device.loss import LossShares, StepLoss, check_loss_options
 from guard.device.probe import Probe, ProbeConfig
 from guard.device.rows import PaddingRows, suppress_padding_ids
 from guard.errors import AttachError, GuardViolation
-from guard.policy import Action, Policy, coerce_policy
+from guard.policy import Action, Policy
+from guard.policy_file import coerce_policy
 from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
 from guard.step.clock import StepClock, Steps, check_boundaries
@@ -153,7 +154,8 @@ class Guard:
             raise error
         if self.probe.rows is not None:  # the padding rows as they are before step 1
             self.probe.check_weights()
-            reading = self.probe.flags.read(lagged=False, reduce=False)
+            # All ranks attach: one collective, so every rank repairs or stops alike.
+            reading = self.probe.flags.read(lagged=False)
             if reading is not None and (error := self._judge(reading, 0, rerun=False).error()):
                 raise error
         if self.policy.action("padding_rows") is Action.REPAIR:

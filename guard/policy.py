@@ -2,39 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
 import time
-import tomllib
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from guard.errors import PolicyError
 from guard_server.wire import CHECKS, RUN_ID_PATTERN, RunId
 
-__all__ = [
-    "ATTACH_CHECKS",
-    "CHECKS",
-    "STEP_CHECKS",
-    "Action",
-    "Policy",
-    "coerce_policy",
-    "default_run_id",
-    "load_policy",
-]
+__all__ = ["ATTACH_CHECKS", "CHECKS", "STEP_CHECKS", "Action", "Policy", "default_run_id"]
 
 # The check names are the wire's (guard_server/wire.py); these run once, at attach, the
 # others every step.
@@ -53,8 +38,27 @@ class Action(StrEnum):
     OFF = "off"
 
 
+_NUMBERS = (int, float, int | None, float | None)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `.inf` as a factor would silently disable its check.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _edge_values(cls, data: Any) -> Any:
+        """YAML 1.1 reads `off` (and `no`) as false: an action of false is `off`. A boolean
+        where a number goes is refused (pydantic would take true as 1)."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("action") is False and "action" in cls.model_fields:
+            data = {**data, "action": "off"}
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
+                raise ValueError(f"{name}: {value!r} is a boolean; expected a number")
+        return data
 
 
 class AttachCheck(_Strict):
@@ -85,7 +89,7 @@ class TokenRangeCheck(_Strict):
 
 
 class LossSpikeCheck(_Strict):
-    """Rule in guard/spike.py; defaults compared with Megatron / llm-foundry / Lightning in
+    """Rule in guard/device/loss.py; defaults compared with Megatron / llm-foundry / Lightning in
     docs/loss_spike.md."""
 
     action: Literal["fail", "skip", "warn", "off"] = "warn"
@@ -223,84 +227,3 @@ def default_run_id() -> str:
         return rid
     host = re.sub(r"[^A-Za-z0-9_.\-]", "-", socket.gethostname())[:64] or "host"
     return f"{host}-{os.getpid()}-{int(time.time())}"
-
-
-def _describe(err: dict[str, Any]) -> str:
-    where = ".".join(str(p) for p in err["loc"]) or "<top>"
-    kind, ctx = err["type"], err.get("ctx") or {}
-    if kind == "extra_forbidden":
-        return f"{where}: unknown key"
-    if kind == "literal_error":
-        allowed = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
-        choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if allowed else "?"
-        return f"{where}: {err['input']!r} is not allowed; choose {choices}"
-    if kind == "value_error":
-        return f"{where}: {str(err['msg']).removeprefix('Value error, ')}"
-    return f"{where}: {err['msg']} (got {err.get('input')!r})"
-
-
-def _allowed_keys(loc: tuple[Any, ...]) -> str:
-    model: Any = Policy
-    for part in loc[:-1]:
-        field = model.model_fields.get(part)
-        if field is None:
-            return ""
-        model = field.annotation
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return "; allowed keys: " + ", ".join(model.model_fields)
-    return ""
-
-
-def _validate(data: Any, source: str) -> Policy:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        got = type(data).__name__
-        raise PolicyError(source, [f"<top>: expected a mapping of sections, got {got}"])
-    try:
-        return Policy.model_validate(data)
-    except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            msg = _describe(dict(err))
-            if err["type"] == "extra_forbidden":
-                msg += _allowed_keys(tuple(err["loc"]))
-            problems.append(msg)
-        raise PolicyError(source, problems) from None
-
-
-def load_policy(path: str | os.PathLike[str]) -> Policy:
-    """Read a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) policy file."""
-    p = Path(path)
-    suffix = p.suffix.lower()
-    if suffix not in (".yaml", ".yml", ".toml", ".json"):
-        expected = "use .yaml, .yml, .toml or .json"
-        raise PolicyError(str(p), [f"unknown extension {suffix!r}; {expected}"])
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise PolicyError(str(p), [f"cannot read: {e.strerror or e}"]) from None
-    try:
-        if suffix == ".toml":
-            data: Any = tomllib.loads(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise PolicyError(str(p), [f"not valid {suffix[1:].upper()}: {e}"]) from None
-    return _validate(data, str(p))
-
-
-def coerce_policy(policy: Policy | dict[str, Any] | str | os.PathLike[str] | None) -> Policy:
-    """A Policy from a Policy, a dict, a path, or None (the defaults)."""
-    if policy is None:
-        return Policy()
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, dict):
-        return _validate(policy, "<dict>")
-    if isinstance(policy, str | os.PathLike):
-        return load_policy(policy)
-    got = type(policy).__name__
-    raise PolicyError("<argument>", [f"policy must be a Policy, dict or path, got {got}"])

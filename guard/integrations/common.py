@@ -14,7 +14,8 @@ from guard.device.checks import masked_logits
 from guard.device.loss import LossShares
 from guard.errors import AttachError
 from guard.guard import Guard, attach
-from guard.policy import Policy, coerce_policy
+from guard.policy import Policy
+from guard.policy_file import coerce_policy
 from guard.step.clock import Steps
 
 __all__ = ["GuardedTraining", "torch_optimizer"]

@@ -7,7 +7,8 @@ import pytest
 
 import guard
 from guard import PolicyError, load_policy
-from guard.policy import Policy, coerce_policy
+from guard.policy import Policy
+from guard.policy_file import coerce_policy
 
 YAML = """\
 run_id: gpt-small-001
@@ -128,3 +129,30 @@ def test_serve_address_adds_local_rank() -> None:
     p = Policy(export={"serve": "0.0.0.0:9464"})
     assert p.export.serve_address(3) == ("0.0.0.0", 9467)
     assert Policy(export={"serve": None}).export.serve_address() is None
+
+
+def test_yaml_off_is_off_however_yaml_reads_it(tmp_path: Path) -> None:
+    p = tmp_path / "guard.yaml"
+    p.write_text("checks:\n  padding_mass: {action: off}\n  token_range: {action: no}\n")
+    pol = load_policy(p)
+    assert pol.action("padding_mass") == "off" and pol.action("token_range") == "off"
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("checks: {loss_spike: {factor: .inf}}", "checks.loss_spike.factor: Input should be a "
+                                             "finite number"),
+    ("checks: {loss_spike: {min_delta: .nan}}", "checks.loss_spike.min_delta: Input should be "
+                                                "a finite number"),
+    ("vocab: {real_size: true}", "vocab: real_size: True is a boolean; expected a number"),
+    ("cadence: {read_every: false}", "cadence: read_every: False is a boolean; expected a "
+                                     "number"),
+    ("checks: {padding_mass: {action: on}}", "checks.padding_mass.action: True is not allowed"),
+])
+def test_non_finite_and_boolean_numbers_are_refused_by_key(tmp_path: Path, text: str,
+                                                          problem: str) -> None:
+    p = tmp_path / "guard.yaml"
+    p.write_text(text)
+    with pytest.raises(PolicyError) as e:
+        load_policy(p)
+    assert any(x.startswith(problem) for x in e.value.problems), e.value.problems
+    assert str(p) in str(e.value)

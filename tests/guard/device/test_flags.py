@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from guard.device.flags import Flags
-from guard.policy import coerce_policy
+from guard.policy_file import coerce_policy
 
 T = torch.tensor
 

@@ -13,7 +13,7 @@ import guard
 from guard import GuardViolation
 from guard.device.flags import Flags
 from guard.device.loss import SpikeTracker, StepLoss, loss_spike
-from guard.policy import coerce_policy
+from guard.policy_file import coerce_policy
 from tests.conftest import batch, no_host_reads, policy, tiny_gpt
 
 DEFAULTS = {"window": 100, "factor": 10.0, "min_delta": 1.0, "warmup": 10}

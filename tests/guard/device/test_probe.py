@@ -10,7 +10,8 @@ from guard.device.checks import padding_mass, sample_rows
 from guard.device.flags import Flags
 from guard.device.loss import StepLoss
 from guard.device.probe import Probe, ProbeConfig, find_loss, labels_position
-from guard.policy import Policy, coerce_policy
+from guard.policy import Policy
+from guard.policy_file import coerce_policy
 from guard.vocab.discover import Heads
 from guard.vocab.sizes import audit_sizes
 from tests.conftest import batch, policy, tiny_gpt

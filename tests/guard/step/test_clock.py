@@ -8,7 +8,7 @@ from torch import nn
 from guard.device.flags import Flags
 from guard.device.loss import StepLoss
 from guard.device.probe import Probe, ProbeConfig
-from guard.policy import coerce_policy
+from guard.policy_file import coerce_policy
 from guard.step.clock import StepClock, Steps
 from guard.step.reading import Reading
 from guard.vocab.sizes import audit_sizes

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from guard.policy import Action, coerce_policy
+from guard.policy import Action
+from guard.policy_file import coerce_policy
 from guard.step.episodes import Episodes
 from guard.step.localise import capture
 from guard.step.verdict import Verdict, Violation

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from guard.policy import Action, coerce_policy
+from guard.policy import Action
+from guard.policy_file import coerce_policy
 from guard.sinks import MemorySink
 from guard.step.reading import Values
 from guard.step.record import Record, empty_stats

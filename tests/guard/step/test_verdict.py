@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from guard.errors import GuardViolation
-from guard.policy import Action, coerce_policy
+from guard.policy import Action
+from guard.policy_file import coerce_policy
 from guard.step.reading import Reading, Values
 from guard.step.verdict import Verdict, Violation, attach_verdict, judge
 from guard.vocab.sizes import audit_sizes
