@@ -197,7 +197,7 @@ def _start_server(address: str, console: Any) -> Any:
     try:
         from guard_server.embedded import EmbeddedServer
 
-        server = EmbeddedServer(host, port)
+        server = EmbeddedServer.for_trainer(host, port)
         url = server.start()
     except (ImportError, OSError, RuntimeError) as e:
         console.print(f"[yellow]no /metrics endpoint ({e}); continuing without it[/]")

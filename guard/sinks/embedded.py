@@ -25,7 +25,7 @@ class EmbeddedSink:
         from guard_server.embedded import EmbeddedServer
 
         self._owned = server is None
-        self.server = EmbeddedServer(host, port) if server is None else server
+        self.server = EmbeddedServer.for_trainer(host, port) if server is None else server
         self.url: str = self.server.start()
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections import Counter
 from typing import Any, cast
 
@@ -79,6 +80,9 @@ class Record:
     def __init__(self, run_id: str, rank: int, vocab: dict[str, int],
                  enabled: dict[str, Action]) -> None:
         self.run_id, self.rank = run_id, rank
+        # A fresh id per attach: the server replaces a (run, rank)'s state when it changes, so
+        # a restart is visible at once instead of hiding behind the old attach's higher steps.
+        self.attach_id = uuid.uuid4().hex
         self.vocab = VocabSizes(**{k: _count(n) for k, n in vocab.items()})
         self.enabled = enabled  # check -> action: a 0 count in every report until it fires
         self.sinks: list[Sink] = []
@@ -156,7 +160,8 @@ class Record:
                 {a: _count(n) for a, n in actions.items()})
         events, self._events = self._events[-MAX_EVENTS:], []
         return StepReport(
-            step=_count(s["step"]), timestamp=time.time(), loss=_finite(s["loss"]),
+            attach_id=self.attach_id, step=_count(s["step"]), timestamp=time.time(),
+            loss=_finite(s["loss"]),
             padding_mass=_ratio(s["padding_mass"]),
             padding_mass_max=_ratio(s["padding_mass_max"]),
             nonfinite=NonFinite(**{k: _count(n) for k, n in s["nonfinite"].items()}),

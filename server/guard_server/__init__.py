@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from guard_server.app import create_app
     from guard_server.embedded import EmbeddedServer
-    from guard_server.errors import BodyTooLargeError, CapacityError, PortInUseError, SettingsError
+    from guard_server.errors import (
+        BodyTooLargeError,
+        CapacityError,
+        PortInUseError,
+        SettingsError,
+        StepJumpError,
+    )
     from guard_server.runner import serve
     from guard_server.settings import Settings
     from guard_server.store import Store
@@ -26,6 +32,7 @@ __all__ = [
     "ReportBatch",
     "Settings",
     "SettingsError",
+    "StepJumpError",
     "StepReport",
     "Store",
     "create_app",
@@ -41,6 +48,7 @@ _SOURCES = {
     "ReportBatch": "wire",
     "Settings": "settings",
     "SettingsError": "errors",
+    "StepJumpError": "errors",
     "StepReport": "wire",
     "Store": "store",
     "create_app": "app",

@@ -1,4 +1,5 @@
-"""The FastAPI application: one store, one registry, four routers."""
+"""The FastAPI application: one store, one registry, four routers (three for the trainer's
+embedded endpoint, which takes no reports)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from guard_server.auth import ReadAuth
 from guard_server.collector import new_registry
-from guard_server.routes import ROUTERS
+from guard_server.routes import ROUTERS, ingest_router
 from guard_server.settings import Settings
 from guard_server.store import Store
 
@@ -23,8 +25,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.ready = False
 
 
-def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
-    """Build the guard server app; pass `store` to share state with an in-process caller."""
+def create_app(
+    settings: Settings | None = None, store: Store | None = None, *, ingest: bool = True
+) -> FastAPI:
+    """Build the guard server app; pass `store` to share state with an in-process caller.
+
+    `ingest=False` serves the reads only (the trainer's embedded endpoint: its store is fed
+    in-process, and a POST from anywhere else must not grow the training process).
+    """
     settings = settings if settings is not None else Settings()
     store = store if store is not None else Store(settings)
     app = FastAPI(
@@ -38,5 +46,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.state.registry = new_registry(store)  # per app: two apps in one process never clash
     app.state.ready = False
     for router in ROUTERS:
-        app.include_router(router)
+        if ingest or router is not ingest_router:
+            app.include_router(router)
+    if settings.token is not None:
+        app.add_middleware(ReadAuth, token=settings.token, metrics=settings.metrics_token)
     return app

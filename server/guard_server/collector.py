@@ -109,6 +109,8 @@ def build_families(snap: Snapshot) -> list[Metric]:
                              value=len({view.run_id for view in snap.ranks}))
     ranks = GaugeMetricFamily("guard_server_ranks", "Ranks this server holds state for, over "
                               "all runs.", value=len(snap.ranks))
+    held = GaugeMetricFamily("guard_server_bytes", "Estimated bytes of state held (reports and "
+                             "events), what GUARD_SERVER_MAX_BYTES bounds.", value=snap.held_bytes)
     return [
         step,
         seen,
@@ -126,6 +128,7 @@ def build_families(snap: Snapshot) -> list[Metric]:
         rejected,
         runs,
         ranks,
+        held,
     ]
 
 

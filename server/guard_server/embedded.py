@@ -64,6 +64,7 @@ class EmbeddedServer:
         *,
         settings: Settings | None = None,
         store: Store | None = None,
+        ingest: bool = True,
         start_timeout_s: float = 10.0,
     ) -> None:
         self.host = host
@@ -73,11 +74,19 @@ class EmbeddedServer:
             settings = Settings(host=host, port=port, log_level="warning")
         self.settings = settings
         self.store = store if store is not None else Store(settings)
-        self.app = create_app(settings, self.store)
+        # The trainer's endpoint passes ingest=False: its store is fed in-process only.
+        self.app = create_app(settings, self.store, ingest=ingest)
         self.url: str | None = None
         self._start_timeout_s = start_timeout_s
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_trainer(cls, host: str = "127.0.0.1", port: int = 9464) -> EmbeddedServer:
+        """The trainer's endpoint: reads only (no POST /v1/reports: the guard feeds its store
+        in-process), quiet, and no step-rate bound (its reports are the trainer's own)."""
+        settings = Settings(host=host, port=port, log_level="warning", max_step_rate=None)
+        return cls(host, port, settings=settings, ingest=False)
 
     def start(self) -> str:
         """Bind and serve; return the base URL. Raises PortInUseError if the port is taken."""

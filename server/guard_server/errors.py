@@ -4,7 +4,9 @@ Each error subclasses the builtin it refines and keeps its data as attributes::
 
     SettingsError(ValueError)         a GUARD_SERVER_* variable (or argument) is invalid
     BodyTooLargeError(ValueError)     a report body is over GUARD_SERVER_MAX_BODY_BYTES (413)
-    CapacityError(RuntimeError)       a batch would exceed the caps on runs or ranks (429)
+    CapacityError(RuntimeError)       a batch would pass the caps on runs or ranks, or the
+                                      byte budget (429)
+    StepJumpError(ValueError)         a report's step runs further ahead than time allows (409)
     PortInUseError(OSError)           the embedded endpoint's port is taken
 """
 
@@ -12,7 +14,13 @@ from __future__ import annotations
 
 import errno
 
-__all__ = ["BodyTooLargeError", "CapacityError", "PortInUseError", "SettingsError"]
+__all__ = [
+    "BodyTooLargeError",
+    "CapacityError",
+    "PortInUseError",
+    "SettingsError",
+    "StepJumpError",
+]
 
 
 class SettingsError(ValueError):
@@ -37,18 +45,46 @@ class BodyTooLargeError(ValueError):
 
 
 class CapacityError(RuntimeError):
-    """A batch would add a run or a rank beyond the server's caps; nothing was stored."""
+    """A batch would add a run or a rank beyond the server's caps, or bytes beyond its budget;
+    nothing was stored."""
 
     def __init__(self, run_id: str, rank: int, limit: int, *, scope: str) -> None:
         self.run_id = run_id
         self.rank = rank
         self.limit = limit
-        self.scope = scope  # "runs" or "ranks"
-        where = "runs" if scope == "runs" else f"ranks in run {run_id!r}"
+        self.scope = scope  # "runs", "ranks" (per run), "ranks_total" or "bytes"
+        what, setting = _CAPS[scope]
+        held = what.format(run_id=run_id, limit=limit)
         super().__init__(
             f"report from run {run_id!r} rank {rank} rejected: the server already holds "
-            f"{limit} {where} (its cap); nothing was stored. Raise GUARD_SERVER_MAX_"
-            f"{'RUNS' if scope == 'runs' else 'RANKS_PER_RUN'} or wait for idle ranks to expire."
+            f"{held} (its cap); nothing was stored. Raise GUARD_SERVER_{setting} or wait for "
+            "idle ranks to expire."
+        )
+
+
+# scope -> (what is held, the setting that caps it)
+_CAPS = {
+    "runs": ("{limit} runs", "MAX_RUNS"),
+    "ranks": ("{limit} ranks in run {run_id!r}", "MAX_RANKS_PER_RUN"),
+    "ranks_total": ("{limit} ranks over all runs", "MAX_RANKS"),
+    "bytes": ("state close to its budget of {limit} bytes", "MAX_BYTES"),
+}
+
+
+class StepJumpError(ValueError):
+    """A report's step is further ahead of the rank's last step than the time since can
+    justify (GUARD_SERVER_MAX_STEP_RATE); one forged step would otherwise freeze the rank."""
+
+    def __init__(self, run_id: str, rank: int, index: int, step: int, bound: int) -> None:
+        self.run_id = run_id
+        self.rank = rank
+        self.index = index  # of the report in the batch
+        self.step = step
+        self.bound = bound
+        super().__init__(
+            f"step {step} of run {run_id!r} rank {rank} is past {bound}, the furthest this "
+            "rank can have reached since its last report (GUARD_SERVER_MAX_STEP_RATE steps a "
+            "second plus GUARD_SERVER_STEP_BURST); nothing was stored"
         )
 
 

@@ -95,9 +95,13 @@ class RankState(BaseModel):
 
 
 class RunDetail(BaseModel):
-    """Body of GET /v1/runs/{run_id}."""
+    """Body of GET /v1/runs/{run_id}: one page of its ranks, by rank."""
 
     run_id: str
+    total: int  # ranks of the run held now
+    offset: int
+    limit: int
+    next_offset: int | None  # pass as `offset` for the next page; null on the last one
     ranks: list[RankState]
 
 

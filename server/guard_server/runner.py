@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from guard_server.app import create_app
+from guard_server.connections import guarded_protocol, raise_fd_limit
 from guard_server.settings import Settings
 
-__all__ = ["serve", "uvicorn_config"]
+log = logging.getLogger("guard_server")
+
+__all__ = ["is_loopback", "serve", "uvicorn_config"]
 
 
 def uvicorn_config(
@@ -20,6 +25,14 @@ def uvicorn_config(
     # A single worker on purpose: the state lives in this process's memory, so a second worker
     # would hold a different half of the ranks and each scrape would see one half.
     extra: dict[str, Any] = {} if own_logging else {"log_config": None}
+    if settings.ssl_certfile is not None:
+        extra |= {"ssl_certfile": str(settings.ssl_certfile),
+                  "ssl_keyfile": str(settings.ssl_keyfile)}
+    room = raise_fd_limit(settings.max_connections)
+    if room < settings.max_connections:
+        log.warning("guard server: the open-files limit leaves room for %d connections, not "
+                    "GUARD_SERVER_MAX_CONNECTIONS=%d; raise `ulimit -n`", room,
+                    settings.max_connections)
     return uvicorn.Config(
         app,
         host=host,
@@ -30,6 +43,9 @@ def uvicorn_config(
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_graceful_shutdown=5,
+        http=guarded_protocol(min(room, settings.max_connections), settings.read_timeout_s),
+        # uvicorn takes whole seconds here (it passes the value to call_later unchanged).
+        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
         **extra,
     )
 
@@ -43,4 +59,29 @@ def serve(
     config = uvicorn_config(
         create_app(settings), settings, host=settings.host, port=settings.port, own_logging=True
     )
+    _warn_if_exposed(settings)
     uvicorn.Server(config).run()
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _warn_if_exposed(settings: Settings) -> None:
+    # Beyond loopback, anyone who can reach the port can write reports and read run names,
+    # losses and messages unless there is a token, and read the token off the wire without TLS.
+    if is_loopback(settings.host):
+        return
+    if settings.token is None:
+        log.warning("guard server: listening on %s with no token: anyone who can reach it can "
+                    "push reports and read every run; set GUARD_TOKEN", settings.host)
+    if settings.ssl_certfile is None:
+        log.warning("guard server: listening on %s without TLS: tokens and reports cross the "
+                    "network in clear; set GUARD_SERVER_SSL_CERTFILE and GUARD_SERVER_SSL_KEYFILE "
+                    "(or put a TLS proxy in front)", settings.host)

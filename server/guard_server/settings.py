@@ -17,10 +17,13 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from guard_server.errors import SettingsError
+from guard_server.wire import MAX_EVENTS
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "GUARD_SERVER_"
+# Bodies' worth of MAX_BYTES kept back from the state for requests being read and parsed.
+_RESERVE_BODIES = 4
 # The push sink reads the same variable, so one GUARD_TOKEN configures both ends.
 _TOKEN_VARS = ("GUARD_SERVER_TOKEN", "GUARD_TOKEN")
 
@@ -33,16 +36,39 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=9400, ge=0, le=65535)  # 0 binds any free port (tests)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # 1 MiB holds ~1000 step reports
+    # Caps: a scrape of 16,384 ranks (~262k series) takes ~4 s on 2 cores (docs/benchmarks.md),
+    # inside Prometheus' default 10 s scrape_timeout.
     max_runs: int = Field(default=64, ge=1)
-    # 4096 ranks x ~16 series each is ~65k series per run, about what one scrape should carry.
     max_ranks_per_run: int = Field(default=4096, ge=1)
+    max_ranks: int = Field(default=16384, ge=1)
+    # The memory the server may grow by: the state (reports and events, estimated in bytes;
+    # a typical rank holds ~5 KiB, one at every wire limit ~0.55 MiB) plus a reserve for the
+    # requests being read and parsed (`state_bytes`).
+    max_bytes: int = Field(default=256 << 20, ge=1 << 20)
     rank_ttl_s: float = Field(default=900.0, gt=0, allow_inf_nan=False)  # 15 min of silence
     finished_ttl_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)  # a few scrapes
-    events_per_rank: int = Field(default=32, ge=0, le=1024)  # one full report's worth
+    events_per_rank: int = Field(default=MAX_EVENTS, ge=0, le=MAX_EVENTS)  # one report's worth
+    # How far a rank's step may move ahead between two reports: STEP_BURST steps plus
+    # MAX_STEP_RATE a second (no language model trains 1000 optimizer steps a second), so a
+    # forged step 2**53 is a 422, not a rank frozen until its real step catches up.
+    max_step_rate: float | None = Field(default=1000.0, gt=0, allow_inf_nan=False)
+    step_burst: int = Field(default=10_000, ge=0)
+    # Connections: beyond the limit new ones are closed at once; a request must arrive
+    # (headers and body) within the read timeout; idle keep-alive connections close after
+    # keep_alive_s. Pushes come once a second per rank, so 5 s keeps them reusing one.
+    max_connections: int = Field(default=2048, ge=8)
+    read_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    keep_alive_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = False  # one line per push would dwarf everything else in the log
     token: SecretStr | None = Field(default=None, validation_alias=AliasChoices(*_TOKEN_VARS))
     token_file: Path | None = None
+    # With a token, the JSON reads and the API docs need it too; /metrics only when this is
+    # set (Prometheus sends it with `authorization: {credentials: ...}` in its scrape config).
+    metrics_token: bool = False
+    # TLS for binds beyond loopback, handed to uvicorn as they are.
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
 
     def __init__(self, **values: Any) -> None:
         _reject_unknown_env()
@@ -63,14 +89,43 @@ class Settings(BaseSettings):
         if self.token_file is None:
             return self
         if self.token is not None:
-            raise ValueError("set a token or a token file, not both")
+            raise ValueError("token_file: set a token or a token file, not both")
         try:
             secret = self.token_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise ValueError(f"cannot read token file {str(self.token_file)!r}: {exc}") from exc
+            raise ValueError(
+                f"token_file: cannot read token file {str(self.token_file)!r}: {exc}"
+            ) from exc
         if not secret:
-            raise ValueError(f"token file {str(self.token_file)!r} is empty")
+            raise ValueError(f"token_file: token file {str(self.token_file)!r} is empty")
         self.token = SecretStr(secret)
+        return self
+
+    @property
+    def state_bytes(self) -> int:
+        """The part of MAX_BYTES the stored state may use: the rest is kept for requests in
+        flight (a body and its parsed copy, a few at a time)."""
+        return self.max_bytes - _RESERVE_BODIES * self.max_body_bytes
+
+    @model_validator(mode="after")
+    def _room_for_state(self) -> Settings:
+        if self.state_bytes < self.max_body_bytes:
+            need = (_RESERVE_BODIES + 1) * self.max_body_bytes
+            raise ValueError(
+                f"max_bytes: at least {need} bytes with GUARD_SERVER_MAX_BODY_BYTES="
+                f"{self.max_body_bytes} ({_RESERVE_BODIES} bodies in flight, and one rank's state)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            missing = "ssl_keyfile" if self.ssl_keyfile is None else "ssl_certfile"
+            raise ValueError(f"{missing}: TLS needs both a certificate and a key file")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{name}: file {str(path)!r} does not exist")
         return self
 
 
@@ -83,11 +138,12 @@ def _env_name(field: str) -> str:
 def _problems(exc: ValidationError) -> dict[str, str]:
     problems: dict[str, str] = {}
     for err in exc.errors(include_url=False):
-        # The token file check is the only model-level one, hence the only error without a loc.
-        field = str(err["loc"][0]) if err["loc"] else "token_file"
+        why = err["msg"].removeprefix("Value error, ")
+        # Model-level checks have no loc; their messages start with the field they are about.
+        field, _, rest = why.partition(": ") if not err["loc"] else (str(err["loc"][0]), "", "")
+        why = rest or why
         # Errors on an aliased field carry the alias (GUARD_TOKEN ...) as their loc.
         field = "token" if field in _TOKEN_VARS else field
-        why = err["msg"].removeprefix("Value error, ")
         # Quote the bad value, except the token (a secret) and a model-level input (all values).
         if err["loc"] and field != "token":
             why += f" (got {err['input']!r})"

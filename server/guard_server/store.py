@@ -1,32 +1,85 @@
-"""Thread-safe in-memory state: the latest report of every rank of every run."""
+"""Thread-safe in-memory state: the latest report of every rank of every run, held within a
+budget in bytes as well as in count.
+
+Per (run, rank) the store keeps the state of one attach (`attach_id` on every report): a
+report of another attach replaces it at once, so a restarted trainer is visible on the next
+scrape whatever step the old one had reached. Within one attach the highest step wins, and a
+step may not run ahead of what the time since the last report can justify.
+"""
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from guard_server.errors import CapacityError
+from guard_server.errors import CapacityError, StepJumpError
 from guard_server.settings import Settings
 from guard_server.wire import Event, ReportBatch, StepReport
 
-__all__ = ["REJECT_REASONS", "RankView", "RejectReason", "Snapshot", "Store"]
+__all__ = ["REJECT_REASONS", "RankView", "RejectReason", "Snapshot", "Store", "event_bytes"]
 
-RejectReason = Literal["unauthorized", "too_large", "invalid", "over_capacity"]
+log = logging.getLogger("guard_server")
+
+RejectReason = Literal[
+    "unauthorized",
+    "not_json",
+    "too_large",
+    "timeout",
+    "disconnected",
+    "invalid",
+    "implausible_step",
+    "over_capacity",
+    "over_budget",
+]
 REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
 # Ingest sweeps for expired ranks at most this often; scrapes and reads always sweep.
 _SWEEP_EVERY_S = 1.0
 
+# Estimated bytes held, upper bounds measured with tracemalloc on CPython 3.11 / pydantic 2
+# (tests/server/test_store.py checks them against tracemalloc): a stored report is ~3.0 KiB
+# plus its violation counts, an event ~1 KiB plus its strings.
+_RANK_BYTES = 3200 + 1024  # the report, the rank's slot, its event deque
+_CHECK_BYTES = 250  # one check's dict of actions in `violations`
+_COUNT_BYTES = 100  # one (action, count) entry
+_EVENT_BYTES = 1100
+_RUN_BYTES = 512  # the run's dict of ranks
+
+
+def event_bytes(event: Event) -> int:
+    """Estimated bytes one stored event holds (its strings measured, not guessed)."""
+    module = 0 if event.module is None else sys.getsizeof(event.module)
+    return _EVENT_BYTES + sys.getsizeof(event.message) + module
+
+
+def _report_bytes(report: StepReport) -> int:
+    counts = sum(len(by_action) for by_action in report.violations.values())
+    return _RANK_BYTES + _CHECK_BYTES * len(report.violations) + _COUNT_BYTES * counts
+
+
+def _run_bytes(run_id: str) -> int:
+    return _RUN_BYTES + sys.getsizeof(run_id)
+
+
+class _Full(Exception):
+    """A cap or the budget is reached before a full sweep: sweep, then try once more."""
+
 
 @dataclass(slots=True)
 class _Rank:
-    latest: StepReport
+    attach_id: str
+    previous: str | None  # the attach this one replaced, to tell two live writers apart
+    latest: StepReport  # without its events: those live in `events`, once
+    step_seen: float  # receive time of the report that set `latest.step`
     last_seen: float  # server receive time of the last accepted batch, unix seconds
     finished_at: float | None  # receive time of the final report, if it came
     events: deque[Event]
+    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,47 +101,38 @@ class Snapshot:
     ranks: list[RankView]
     reports_total: int
     rejected: dict[RejectReason, int] = field(default_factory=dict)
-
-
-def _supersedes(new: StepReport, old: StepReport) -> bool:
-    # The highest step wins (ties go to the newcomer: a retry carries the same values). After
-    # a final report, a later-stamped report is a new attach whose steps restart from zero.
-    return new.step >= old.step or (old.final and new.timestamp > old.timestamp)
+    held_bytes: int = 0
 
 
 class Store:
-    """Latest values per (run, rank), capped and evicted; fed by HTTP or in-process."""
+    """Latest values per (run, rank), capped, budgeted and evicted; fed by HTTP or in-process."""
 
     def __init__(self, settings: Settings | None = None, *, clock: Callable[[], float] = time.time):
         self.settings = settings if settings is not None else Settings()
         self._clock = clock
         self._lock = threading.Lock()
         self._runs: dict[str, dict[int, _Rank]] = {}
+        self._nranks = 0
+        self._bytes = 0
         self._reports_total = 0
         self._rejected: dict[RejectReason, int] = dict.fromkeys(REJECT_REASONS, 0)
         self._last_sweep = float("-inf")
+        self._warned_flapping: set[tuple[str, int]] = set()
 
     def ingest(self, batch: ReportBatch) -> None:
-        """Store a validated batch; raise CapacityError (storing nothing) beyond the caps."""
-        # Ties on step go to the final report, so a detach at a boundary marks the rank done.
-        latest = max(batch.reports, key=lambda r: (r.step, r.final))
+        """Store a validated batch, or raise (storing nothing and counting the reason):
+        CapacityError beyond the caps or the byte budget, StepJumpError for a step the
+        server cannot justify."""
+        latest = _latest_of(batch)
         now = self._clock()
         with self._lock:
             self._sweep(now, force=False)
-            ranks = self._runs.get(batch.run_id)
-            state = ranks.get(batch.rank) if ranks is not None else None
-            if state is None:
-                self._check_capacity(batch, now)
-                state = _Rank(latest, now, None, deque(maxlen=self.settings.events_per_rank))
-                self._runs.setdefault(batch.run_id, {})[batch.rank] = state
-            elif _supersedes(latest, state.latest):
-                state.latest = latest
-            state.last_seen = now
-            state.finished_at = now if state.latest.final else None
-            with_events = [r for r in batch.reports if r.events]
-            if with_events and state.events.maxlen:
-                for report in sorted(with_events, key=lambda r: r.step):
-                    state.events.extend(report.events)
+            try:
+                self._store(batch, latest, now, swept=False)
+            except _Full:
+                # Expired ranks may be all that fills a cap; only a full sweep can tell.
+                self._sweep(now, force=True)
+                self._store(batch, latest, now, swept=True)
             self._reports_total += len(batch.reports)
 
     def reject(self, reason: RejectReason) -> None:
@@ -106,28 +150,133 @@ class Store:
                 for rid, by_rank in runs
                 for rank, s in by_rank.items()
             ]
-            counts = (self._reports_total, dict(self._rejected))
+            counts = (self._reports_total, dict(self._rejected), self._bytes)
         ranks.sort(key=lambda v: (v.run_id, v.rank))
-        return Snapshot(ranks, *counts)
+        return Snapshot(ranks, counts[0], counts[1], counts[2])
 
     def size(self) -> tuple[int, int]:
         """(runs, ranks) held now, expired ones included until the next sweep."""
         with self._lock:
-            return len(self._runs), sum(len(ranks) for ranks in self._runs.values())
+            return len(self._runs), self._nranks
 
-    def _check_capacity(self, batch: ReportBatch, now: float) -> None:
+    @property
+    def held_bytes(self) -> int:
+        """Estimated bytes of state held now (what GUARD_SERVER_MAX_BYTES bounds)."""
+        with self._lock:
+            return self._bytes
+
+    # -- under the lock ----------------------------------------------------------------------
+
+    def _store(self, batch: ReportBatch, latest: StepReport, now: float, *, swept: bool) -> None:
+        ranks = self._runs.get(batch.run_id)
+        state = ranks.get(batch.rank) if ranks is not None else None
+        attach = latest.attach_id
+        own = batch.reports
+        if any(r.attach_id != attach for r in own):  # rare: a sender that re-attached
+            own = [r for r in own if r.attach_id == attach]
+        if state is not None and state.attach_id == latest.attach_id:
+            self._check_step(batch, state, latest, now)
+            self._update(batch, own, state, latest, now, swept=swept)
+        else:
+            self._replace(batch, own, state, latest, now, swept=swept)
+
+    def _update(
+        self, batch: ReportBatch, own: list[StepReport], state: _Rank, latest: StepReport,
+        now: float, *, swept: bool,
+    ) -> None:
+        """A batch of the attach the rank already has: the highest step wins."""
+        events = _events_after(state.events, own, self.settings.events_per_rank)
+        superseded = latest.step >= state.latest.step
+        nbytes = state.nbytes
+        if superseded:
+            nbytes += _report_bytes(latest) - _report_bytes(state.latest)
+        if events is not None:
+            nbytes += sum(map(event_bytes, events)) - sum(map(event_bytes, state.events))
+        self._admit(batch, nbytes - state.nbytes, swept=swept)
+        if superseded:
+            if latest.step > state.latest.step:
+                state.step_seen = now
+            state.latest = _without_events(latest)
+        if events is not None:
+            state.events.clear()
+            state.events.extend(events)
+        self._bytes += nbytes - state.nbytes
+        state.nbytes = nbytes
+        state.last_seen = now
+        state.finished_at = now if state.latest.final else None
+
+    def _replace(
+        self, batch: ReportBatch, own: list[StepReport], old: _Rank | None, latest: StepReport,
+        now: float, *, swept: bool,
+    ) -> None:
+        """A rank never seen, or a new attach of it: its state starts over from this batch."""
+        keep = self.settings.events_per_rank
+        events = _events_after((), own, keep) or []
+        nbytes = _report_bytes(latest) + sum(map(event_bytes, events))
+        growth = nbytes - (old.nbytes if old is not None else 0)
+        new_run = batch.run_id not in self._runs
+        growth += _run_bytes(batch.run_id) if new_run else 0
+        if old is None:
+            self._check_capacity(batch, swept=swept)
+        self._admit(batch, growth, swept=swept)
+        previous = None
+        if old is not None:
+            previous = old.attach_id
+            self._note_replaced(batch, old, latest)
+        self._runs.setdefault(batch.run_id, {})[batch.rank] = _Rank(
+            latest.attach_id, previous, _without_events(latest), now, now,
+            now if latest.final else None, deque(events, maxlen=keep), nbytes,
+        )
+        self._nranks += old is None
+        self._bytes += growth
+
+    def _admit(self, batch: ReportBatch, growth: int, *, swept: bool) -> None:
+        """Refuse `growth` more bytes when they would pass GUARD_SERVER_MAX_BYTES."""
+        budget = self.settings.state_bytes
+        if growth <= 0 or self._bytes + growth <= budget:
+            return
+        if not swept:
+            raise _Full
+        self._rejected["over_budget"] += 1
+        raise CapacityError(batch.run_id, batch.rank, self.settings.max_bytes, scope="bytes")
+
+    def _check_step(self, batch: ReportBatch, state: _Rank, latest: StepReport, now: float) -> None:
+        """Refuse a step further ahead than the time since the last step can justify."""
+        rate = self.settings.max_step_rate
+        if rate is None or latest.step <= state.latest.step:
+            return
+        elapsed = max(now - state.step_seen, 0.0)
+        bound = state.latest.step + self.settings.step_burst + rate * elapsed
+        if latest.step > bound:
+            self._rejected["implausible_step"] += 1
+            index = batch.reports.index(latest)
+            raise StepJumpError(batch.run_id, batch.rank, index, latest.step, int(bound))
+
+    def _note_replaced(self, batch: ReportBatch, old: _Rank, latest: StepReport) -> None:
+        # An attach that comes back after another replaced it means two live writers: two
+        # trainers (or guards) share this run_id and rank, and the state flips between them.
+        key = (batch.run_id, batch.rank)
+        if latest.attach_id == old.previous and key not in self._warned_flapping:
+            self._warned_flapping.add(key)
+            log.warning(
+                "run %r rank %d: reports alternate between two attaches (%s..., %s...): two "
+                "guards report under this run_id and rank; give each its own run_id",
+                batch.run_id, batch.rank, old.attach_id[:8], latest.attach_id[:8],
+            )
+
+    def _check_capacity(self, batch: ReportBatch, *, swept: bool) -> None:
         # Caller holds the lock and has found no state for this rank.
         over = self._over_cap(batch)
-        if over is not None:
-            # Expired ranks may be all that fills the cap; only a full sweep can tell.
-            self._sweep(now, force=True)
-            over = self._over_cap(batch)
+        if over is not None and not swept:
+            raise _Full
         if over is not None:
             self._rejected["over_capacity"] += 1
             scope, limit = over
             raise CapacityError(batch.run_id, batch.rank, limit, scope=scope)
 
     def _over_cap(self, batch: ReportBatch) -> tuple[str, int] | None:
+        if self._nranks >= self.settings.max_ranks:
+            return "ranks_total", self.settings.max_ranks
         ranks = self._runs.get(batch.run_id)
         if ranks is None:
             limit = self.settings.max_runs
@@ -149,6 +298,32 @@ class Store:
                 if now - s.last_seen >= rank_ttl
                 or (s.finished_at is not None and now - s.finished_at >= finished_ttl)
             ]:
-                del ranks[rank]
+                self._bytes -= ranks.pop(rank).nbytes
+                self._nranks -= 1
             if not ranks:
                 del self._runs[run_id]
+                self._bytes -= _run_bytes(run_id)
+
+
+def _latest_of(batch: ReportBatch) -> StepReport:
+    # A sender switches attach only forward, so the batch's last report names the newest one;
+    # within it, ties on step go to the final report, so a detach at a boundary marks it done.
+    attach = batch.reports[-1].attach_id
+    own = [r for r in batch.reports if r.attach_id == attach]
+    return max(own, key=lambda r: (r.step, r.final))
+
+
+def _without_events(report: StepReport) -> StepReport:
+    return report.model_copy(update={"events": []}) if report.events else report
+
+
+def _events_after(
+    held: Iterable[Event], reports: list[StepReport], keep: int
+) -> list[Event] | None:
+    """The rank's last `keep` events once `reports` are added (step order), or None when
+    the batch brings no events."""
+    carrying = [r for r in reports if r.events]
+    if not carrying or keep == 0:
+        return None
+    new = [e for r in sorted(carrying, key=lambda r: r.step) for e in r.events]
+    return [*held, *new][-keep:]

@@ -12,7 +12,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
     "ACTIONS",
+    "ATTACH_ID_PATTERN",
     "ActionName",
+    "AttachId",
     "CHECKS",
     "CheckName",
     "Event",
@@ -49,6 +51,9 @@ MAX_BATCH_REPORTS = 1000
 # most parsers) holds exactly: a hostile 10**400 is a 422 here, not a crash at scrape time.
 MAX_COUNT = 2**53
 RUN_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+# One attach of a guard (uuid4 hex from the library): a restart under the same run_id and rank
+# is a new attach, which the server tells apart from a late report of the old one by this id.
+ATTACH_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
 
 
 def _integral(value: object) -> object:
@@ -61,6 +66,7 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_integral)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
+AttachId = Annotated[str, Field(min_length=8, max_length=64, pattern=ATTACH_ID_PATTERN)]
 Rank = Annotated[int, Field(ge=0, le=65535), BeforeValidator(_integral)]
 
 
@@ -107,6 +113,7 @@ class StepReport(_Wire):
 
     # Every field is required, nullable ones included: a client that forgets one is a 422 that
     # names it, not a silent zero on a dashboard.
+    attach_id: AttachId
     step: Count
     timestamp: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
     loss: Finite | None

@@ -85,6 +85,7 @@ def fault_exposition(scrape: int, now: float) -> str:
         ]),
         ("guard_server_runs", "gauge", [("", 1)]),
         ("guard_server_ranks", "gauge", [("", 2)]),
+        ("guard_server_bytes", "gauge", [("", 12288)]),
     ]  # fmt: skip
     lines = []
     for name, kind, samples in families:

@@ -42,11 +42,13 @@ GUARD_METRICS = frozenset(
         "guard_ingest_rejected_total",
         "guard_server_runs",
         "guard_server_ranks",
+        "guard_server_bytes",
     }
 )
 # The server's own counters have no run_id / rank: a rejected request has no trusted run.
 SERVER_METRICS = frozenset({"guard_ingest_reports_total", "guard_ingest_rejected_total",
-                            "guard_server_runs", "guard_server_ranks"})
+                            "guard_server_runs", "guard_server_ranks",
+                            "guard_server_bytes"})
 
 ALL = ".*"  # the allValue of the run_id / rank variables ("All")
 # Grafana's built-in range variables, fixed: 1m spans many scrapes at the tests' 1 s interval.

@@ -36,6 +36,7 @@ SERVER = {
     "guard_ingest_rejected_total": ("counter", {"reason"}),
     "guard_server_runs": ("gauge", set()),
     "guard_server_ranks": ("gauge", set()),
+    "guard_server_bytes": ("gauge", set()),
 }
 
 

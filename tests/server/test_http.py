@@ -20,6 +20,7 @@ from tests.server.helpers import split_ingest_counters
 
 LIMIT = 64 * 1024
 AUTH = {"Authorization": "Bearer t0ken"}
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_oversize_bodies_are_refused(
     with httpx.Client(base_url=small_server.url, headers=AUTH, timeout=10) as client:
         assert client.post("/v1/reports", json=make_batch()).status_code == 202
         before, rejected = split_ingest_counters(client.get("/metrics").text)
-        reply = client.post("/v1/reports", content=body)
+        reply = client.post("/v1/reports", content=body, headers=JSON)
         assert reply.status_code == 413
         assert "65536 bytes" in reply.json()["detail"]
         after, rejected_after = split_ingest_counters(client.get("/metrics").text)
@@ -67,7 +68,7 @@ def test_a_chunked_body_under_the_limit_is_read_whole(
     reply = httpx.post(
         f"{small_server.url}/v1/reports",
         content=chunks(),
-        headers=AUTH,
+        headers=AUTH | JSON,
     )
     assert (reply.status_code, reply.json()) == (202, {"accepted": 20})
 

@@ -14,6 +14,8 @@ from tests.server.helpers import split_ingest_counters
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+JSON = {"Content-Type": "application/json"}
+AUTH_JSON = AUTH | JSON
 
 
 @pytest.fixture
@@ -78,13 +80,21 @@ BAD: list[tuple[str, int, str, Callable[[Any], bytes], dict[str, str]]] = [
     ("no token", 401, "unauthorized", _body, {}),
     ("wrong token", 401, "unauthorized", _body, {"Authorization": "Bearer t0kem"}),
     ("not bearer", 401, "unauthorized", _body, {"Authorization": f"Basic {TOKEN}"}),
-    ("malformed json", 422, "invalid", lambda mb: b'{"run_id": "a", "rank": ', AUTH),
-    ("empty body", 422, "invalid", lambda mb: b"", AUTH),
-    ("wrong type", 422, "invalid", lambda mb: _body(mb, rank="zero"), AUTH),
-    ("unknown field", 422, "invalid", lambda mb: _body(mb, extra=1), AUTH),
-    ("oversize", 413, "too_large", lambda mb: _body(mb, run_id="a" * 128) * 8, AUTH),
-    ("new run over cap", 429, "over_capacity", lambda mb: _body(mb, run_id="c"), AUTH),
-    ("new rank over cap", 429, "over_capacity", lambda mb: _body(mb, rank=2), AUTH),
+    ("malformed json", 422, "invalid", lambda mb: b'{"run_id": "a", "rank": ', AUTH_JSON),
+    ("empty body", 422, "invalid", lambda mb: b"", AUTH_JSON),
+    ("wrong type", 422, "invalid", lambda mb: _body(mb, rank="zero"), AUTH_JSON),
+    ("unknown field", 422, "invalid", lambda mb: _body(mb, extra=1), AUTH_JSON),
+    ("oversize", 413, "too_large", lambda mb: _body(mb, run_id="a" * 128) * 8, AUTH_JSON),
+    ("new run over cap", 429, "over_capacity", lambda mb: _body(mb, run_id="c"), AUTH_JSON),
+    ("new rank over cap", 429, "over_capacity", lambda mb: _body(mb, rank=2), AUTH_JSON),
+    # What a web page can send cross-site without a CORS preflight: not JSON, refused.
+    ("no content type", 415, "not_json", _body, AUTH),
+    ("text/plain", 415, "not_json", _body, AUTH | {"Content-Type": "text/plain"}),
+    ("form", 415, "not_json", _body,
+     AUTH | {"Content-Type": "application/x-www-form-urlencoded"}),
+    ("multipart", 415, "not_json", _body, AUTH | {"Content-Type": "multipart/form-data; b=x"}),
+    ("forged step", 409, "implausible_step",
+     lambda mb: json.dumps(mb("a", 0, steps=(2**53,))).encode(), AUTH_JSON),
 ]
 
 

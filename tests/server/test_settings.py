@@ -75,3 +75,11 @@ def test_a_bad_token_is_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SettingsError) as info:
         Settings(token="   ", port="x")
     assert "GUARD_SERVER_PORT" in str(info.value) and "'   '" not in str(info.value)
+
+
+def test_the_byte_budget_keeps_room_for_requests_in_flight() -> None:
+    assert Settings().state_bytes == (256 << 20) - 4 * (1 << 20)
+    with pytest.raises(SettingsError) as info:
+        Settings(max_bytes=4 << 20)
+    assert "at least 5242880 bytes" in info.value.problems["GUARD_SERVER_MAX_BYTES"]
+

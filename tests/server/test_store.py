@@ -1,13 +1,18 @@
-"""The store keeps the highest step per rank, caps runs and ranks, and evicts on time."""
+"""The store keeps one attach per rank (the highest plausible step of it), caps runs, ranks
+and bytes, and evicts on time."""
 
 from __future__ import annotations
 
+import json
 import threading
+import tracemalloc
 from typing import Any
 
 import pytest
 
-from guard_server import CapacityError, ReportBatch, Settings, Store
+from guard_server import CapacityError, ReportBatch, Settings, StepJumpError, Store
+from guard_server.store import REJECT_REASONS
+from guard_server.wire import CHECKS
 
 
 def _batch(make_batch: Any, **kwargs: Any) -> ReportBatch:
@@ -24,14 +29,61 @@ def test_keeps_the_highest_step_whatever_the_order(make_batch: Any, clock: Any) 
     assert store.snapshot().reports_total == 4
 
 
-def test_after_a_final_report_a_later_attach_starts_over(make_batch: Any, clock: Any) -> None:
+def test_a_new_attach_replaces_the_state_at_once(make_batch: Any, clock: Any) -> None:
+    # A trainer restarted after a crash (same run_id and rank, steps from zero) that halts at
+    # step 6 is visible at once, not hidden behind the old attach's step 300.
     store = Store(Settings(), clock=clock)
-    store.ingest(_batch(make_batch, steps=(50,), final=True, timestamp=100.0))
-    store.ingest(_batch(make_batch, steps=(40,), timestamp=90.0))  # stale retry: ignored
-    assert store.snapshot().ranks[0].latest.step == 50
-    store.ingest(_batch(make_batch, steps=(1,), timestamp=200.0))  # new attach
+    store.ingest(_batch(make_batch, steps=(300,), attach_id="old-attach", skipped_steps=9))
+    clock.advance(5)
+    store.ingest(_batch(make_batch, steps=(6,), attach_id="new-attach", halted="nonfinite"))
+    (view,) = store.snapshot().ranks
+    assert (view.latest.step, view.latest.halted, view.latest.skipped_steps) == (6, "nonfinite", 0)
+    store.ingest(_batch(make_batch, steps=(5,), attach_id="new-attach"))  # stale retry: ignored
+    assert store.snapshot().ranks[0].latest.step == 6
+
+
+def test_after_a_final_report_a_new_attach_starts_over(make_batch: Any, clock: Any) -> None:
+    store = Store(Settings(), clock=clock)
+    store.ingest(_batch(make_batch, steps=(50,), final=True, attach_id="first-attach"))
+    assert store.snapshot().ranks[0].finished_at is not None
+    store.ingest(_batch(make_batch, steps=(1,), attach_id="second-attach"))
     (view,) = store.snapshot().ranks
     assert (view.latest.step, view.finished_at) == (1, None)
+
+
+def test_a_forged_step_cannot_freeze_a_rank(make_batch: Any, clock: Any, caplog: Any) -> None:
+    store = Store(Settings(max_step_rate=100, step_burst=50), clock=clock)
+    store.ingest(_batch(make_batch, steps=(10,)))
+    before = store.snapshot()
+    with pytest.raises(StepJumpError, match="MAX_STEP_RATE") as info:
+        store.ingest(_batch(make_batch, steps=(11, 2**53)))
+    assert (info.value.index, info.value.bound) == (1, 60)
+    after = store.snapshot()
+    assert after.ranks == before.ranks and after.reports_total == before.reports_total
+    assert after.rejected["implausible_step"] == 1
+    clock.advance(2)  # 2 s at 100 steps/s + a burst of 50: up to step 260 is plausible
+    store.ingest(_batch(make_batch, steps=(260,)))
+    with pytest.raises(StepJumpError):
+        store.ingest(_batch(make_batch, steps=(311,)))
+    # A forged report under another attach takes the rank over only until the real one
+    # reports again (and two writers on one rank are named in the log, once).
+    store.ingest(_batch(make_batch, steps=(2**53,), attach_id="forged-attach"))
+    assert store.snapshot().ranks[0].latest.step == 2**53
+    wire_attach = make_batch()["reports"][0]["attach_id"]
+    with caplog.at_level("WARNING", logger="guard_server"):
+        store.ingest(_batch(make_batch, steps=(261,)))
+        store.ingest(_batch(make_batch, steps=(2**53,), attach_id="forged-attach"))
+        store.ingest(_batch(make_batch, steps=(262,)))
+    assert store.snapshot().ranks[0].latest.step == 262
+    assert [r.message.count("two guards report") for r in caplog.records] == [1]
+    assert wire_attach[:8] in caplog.records[0].message
+
+
+def test_no_step_bound_when_the_rate_is_none(make_batch: Any) -> None:
+    store = Store(Settings(max_step_rate=None))  # the trainer's own in-process endpoint
+    store.ingest(_batch(make_batch, steps=(1,)))
+    store.ingest(_batch(make_batch, steps=(10**9,)))
+    assert store.snapshot().ranks[0].latest.step == 10**9
 
 
 def test_keeps_the_last_events_in_step_order(make_batch: Any, wire_example: Any) -> None:
@@ -107,7 +159,7 @@ def test_counts_rejects_by_reason() -> None:
     store.reject("invalid")
     store.reject("unauthorized")
     rejected = store.snapshot().rejected
-    assert rejected == {"unauthorized": 1, "too_large": 0, "invalid": 2, "over_capacity": 0}
+    assert rejected == dict.fromkeys(REJECT_REASONS, 0) | {"unauthorized": 1, "invalid": 2}
 
 
 def test_concurrent_ingest_from_many_threads(make_batch: Any) -> None:
@@ -127,3 +179,72 @@ def test_concurrent_ingest_from_many_threads(make_batch: Any) -> None:
     snap = store.snapshot()
     assert [v.latest.step for v in snap.ranks] == [49] * 8
     assert snap.reports_total == 400
+
+
+def _events(wire_example: Any, n: int, text: str) -> list[dict[str, Any]]:
+    event = wire_example["reports"][0]["events"][0]
+    return [event | {"message": f"{i} {text}", "module": "m" * 256} for i in range(n)]
+
+
+def test_the_byte_estimate_bounds_what_is_held(make_batch: Any, wire_example: Any) -> None:
+    # The budget is only as good as the estimate: it must not under-count what a rank holds,
+    # nor over-count it so far that the budget means nothing.
+    full = {c: dict.fromkeys(("fail", "warn", "skip", "mask", "repair"), 7) for c in CHECKS}
+    cases = {
+        "plain": {},
+        "every count": {"violations": full},
+        "ascii events": {"events": _events(wire_example, 32, "x" * 4000)},
+        "astral events": {"events": _events(wire_example, 32, "\U0001f600" * 4000)},
+    }
+    for name, fields in cases.items():
+        # Parsed inside the measurement, as the server parses each body: what stays after
+        # the bodies are gone is what the store holds.
+        bodies = [json.dumps(make_batch(rank=r, **fields)) for r in range(200)]
+        store = Store(Settings(max_ranks_per_run=1000))
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for body in bodies:
+            store.ingest(ReportBatch.model_validate_json(body))
+        held = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        estimate = store.held_bytes
+        assert held <= estimate <= 2.5 * held, (name, held, estimate)
+
+
+def test_a_flood_past_the_byte_budget_is_refused(make_batch: Any, wire_example: Any) -> None:
+    settings = Settings(max_bytes=6 << 20, max_body_bytes=512 << 10)
+    assert settings.state_bytes == 4 << 20  # 4 bodies' worth kept for requests in flight
+    store = Store(settings)
+    heavy = _events(wire_example, 32, "\U0001f600" * 4000)  # ~0.5 MiB a rank
+    with pytest.raises(CapacityError, match="GUARD_SERVER_MAX_BYTES") as info:
+        for rank in range(4096):
+            store.ingest(ReportBatch.model_validate_json(json.dumps(
+                make_batch(rank=rank, events=heavy))))
+    assert info.value.scope == "bytes"
+    snap = store.snapshot()
+    assert snap.held_bytes <= settings.state_bytes and snap.rejected["over_budget"] == 1
+    assert 2 <= len(snap.ranks) < 16  # of the 4096 the flood tried
+    # A light rank still fits in what is left; known ranks go on reporting.
+    store.ingest(_batch(make_batch, rank=5000))
+    store.ingest(_batch(make_batch, rank=0, steps=(2,)))
+    assert store.snapshot().held_bytes <= settings.state_bytes
+
+
+def test_only_the_last_events_are_held(make_batch: Any, wire_example: Any) -> None:
+    # Superseded reports keep none of their events: one rank's events stay within one
+    # report's worth however many reports arrive.
+    store = Store(Settings())
+    for step in range(1, 20):
+        store.ingest(_batch(make_batch, steps=(step,), events=_events(wire_example, 32, "x")))
+    view = store.snapshot().ranks[0]
+    assert len(view.events) == 32 and view.latest.events == []
+    assert store.held_bytes < 64 * 1024
+
+
+def test_the_total_rank_cap_holds_across_runs(make_batch: Any) -> None:
+    store = Store(Settings(max_ranks=3))
+    for run_id in ("a", "b", "c"):
+        store.ingest(_batch(make_batch, run_id=run_id))
+    with pytest.raises(CapacityError, match="GUARD_SERVER_MAX_RANKS ") as info:
+        store.ingest(_batch(make_batch, run_id="d"))
+    assert info.value.scope == "ranks_total" and store.size() == (3, 3)

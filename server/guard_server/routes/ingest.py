@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from guard_server.auth import authorized
 from guard_server.deps import SettingsDep, StoreDep
-from guard_server.errors import BodyTooLargeError, CapacityError
+from guard_server.errors import BodyTooLargeError, CapacityError, StepJumpError
 from guard_server.limits import read_body
 from guard_server.responses import Accepted, Problem, ValidationProblem
 from guard_server.wire import ReportBatch
@@ -37,6 +39,20 @@ def _request_body() -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
 
 
+# Seconds a client is asked to wait after a 429: ranks free their place only when they expire
+# (minutes), so retrying sooner only adds load.
+RETRY_AFTER_S = 30
+
+
+def _is_json(content_type: str | None) -> bool:
+    # A browser can POST text/plain, form and multipart bodies cross-site without a CORS
+    # preflight; requiring JSON keeps web pages from writing reports.
+    media = (content_type or "").partition(";")[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
 @router.post(
     "/v1/reports",
     status_code=202,
@@ -44,14 +60,18 @@ def _request_body() -> dict[str, Any]:
     summary="Push a batch of step reports from one rank of one run",
     responses={
         401: {"model": Problem, "description": "missing or wrong bearer token"},
+        408: {"model": Problem, "description": "the body did not arrive in time"},
         413: {"model": Problem, "description": "body over GUARD_SERVER_MAX_BODY_BYTES"},
+        409: {"model": Problem, "description": "a step further ahead than time allows"},
+        415: {"model": Problem, "description": "Content-Type is not application/json"},
         422: {"model": ValidationProblem, "description": "invalid batch; `loc` names the field"},
-        429: {"model": Problem, "description": "a new run or rank would pass the server's caps"},
+        429: {"model": Problem, "description": "over the server's caps or its byte budget"},
     },
     openapi_extra=_request_body(),
 )
 async def post_reports(request: Request, settings: SettingsDep, store: StoreDep) -> Accepted:
-    """Store the batch and answer 202, or reject it whole with 401, 413, 422 or 429."""
+    """Store the batch and answer 202, or reject it whole with 401, 408, 409, 413, 415, 422
+    or 429."""
     # The body is read by hand rather than by a pydantic parameter: the size limit must hold
     # on the streamed bytes, and parsing JSON straight into the model is ~2x faster.
     if not authorized(request.headers.get("authorization"), settings.token):
@@ -59,11 +79,25 @@ async def post_reports(request: Request, settings: SettingsDep, store: StoreDep)
         raise HTTPException(
             401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
         )
+    if not _is_json(request.headers.get("content-type")):
+        store.reject("not_json")
+        raise HTTPException(415, "reports must be sent with Content-Type: application/json")
     try:
-        body = await read_body(request, settings.max_body_bytes)
+        async with asyncio.timeout(settings.read_timeout_s):
+            body = await read_body(request, settings.max_body_bytes)
     except BodyTooLargeError as exc:
         store.reject("too_large")
         raise HTTPException(413, str(exc)) from None
+    except TimeoutError:
+        store.reject("timeout")
+        raise HTTPException(
+            408, f"the body did not arrive within {settings.read_timeout_s} s "
+            "(GUARD_SERVER_READ_TIMEOUT_S); nothing was stored"
+        ) from None
+    except ClientDisconnect:
+        # The client left mid-body: nobody to answer, nothing to store; counted, not logged.
+        store.reject("disconnected")
+        return Accepted(accepted=0)
     try:
         batch = ReportBatch.model_validate_json(body)
     except ValidationError as exc:
@@ -73,6 +107,9 @@ async def post_reports(request: Request, settings: SettingsDep, store: StoreDep)
         raise HTTPException(422, detail) from None
     try:
         store.ingest(batch)
+    except StepJumpError as exc:
+        # 409: valid on its own, the report conflicts with the rank's state (a forged step).
+        raise HTTPException(409, f"reports[{exc.index}].step: {exc}") from None
     except CapacityError as exc:
-        raise HTTPException(429, str(exc)) from None
+        raise HTTPException(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     return Accepted(accepted=len(batch.reports))

@@ -1,0 +1,108 @@
+"""Connection hygiene for uvicorn's h11 protocol: a cap on open connections and a deadline
+for each request's headers.
+
+uvicorn bounds neither: a connection that never sends a byte stays open forever (its
+keep-alive timer starts only after a first response), and every stalled client holds a file
+descriptor until the process runs out (then accept() fails in a loop, one traceback each).
+Here a connection past the cap is closed at once, and one that has not sent a complete
+request head within the read timeout is closed; a slow body is the route's own timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+__all__ = ["guarded_protocol", "raise_fd_limit"]
+
+log = logging.getLogger("guard_server")
+
+# Warn about refused or timed-out connections at most this often (an attack makes thousands).
+_WARN_EVERY_S = 60.0
+
+
+class _Tally:
+    """Connections refused or timed out since the last warning, per kind."""
+
+    def __init__(self) -> None:
+        self.counts = {"over the connection limit": 0, "without a request in time": 0}
+        self.last_warning = float("-inf")
+
+    def add(self, kind: str, limit: str) -> None:
+        self.counts[kind] += 1
+        now = time.monotonic()
+        if now - self.last_warning >= _WARN_EVERY_S:
+            self.last_warning = now
+            closed = ", ".join(f"{n} {k}" for k, n in self.counts.items() if n)
+            log.warning("guard server: closed connections (%s); %s", closed, limit)
+            self.counts = dict.fromkeys(self.counts, 0)
+
+
+def guarded_protocol(max_connections: int, read_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's H11Protocol with a connection cap and a request-head deadline."""
+    tally = _Tally()
+    limits = (
+        f"GUARD_SERVER_MAX_CONNECTIONS={max_connections}, "
+        f"GUARD_SERVER_READ_TIMEOUT_S={read_timeout_s}"
+    )
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                tally.add("over the connection limit", limits)
+                transport.abort()  # no response: reading a request would cost what we save
+                return
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # the head has arrived; the body has the route's timeout
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # waiting for the next request on a kept-alive connection
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(read_timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            active = self.cycle is not None and not self.cycle.response_complete
+            if not active and not self.transport.is_closing():
+                tally.add("without a request in time", limits)
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def raise_fd_limit(wanted: int) -> int:
+    """Raise the soft open-files limit towards `wanted` (never past the hard limit); return
+    how many connections it leaves room for (the limit less a margin for the process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted + 64 if hard == resource.RLIM_INFINITY else min(wanted + 64, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return max(soft - 64, 8)

@@ -1,0 +1,132 @@
+"""The whole battery against one real `python -m guard_server` process: cross-site POSTs, a
+forged step, a byte-budget flood, stalled, slow and vanishing clients, a restart. After it:
+no 5xx, no traceback in the server's log, resident memory grown within the byte budget,
+`promtool check metrics` clean, the valid data sent before and after all present."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from guard_server.testing import free_port
+
+BUDGET = 32 << 20
+JSON = {"Content-Type": "application/json"}
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture
+def server_process(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    port = free_port()
+    log = tmp_path / "server.log"
+    env = os.environ | {
+        "GUARD_SERVER_MAX_BYTES": str(BUDGET),
+        "GUARD_SERVER_READ_TIMEOUT_S": "1",
+        "GUARD_SERVER_MAX_CONNECTIONS": "64",
+        "GUARD_SERVER_LOG_LEVEL": "info",
+    }
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "guard_server", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield url, process, log
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def _raw(url: str, data: bytes, *, close_after_s: float = 0.0) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(data)
+        time.sleep(close_after_s)
+
+
+def test_the_battery_leaves_the_server_whole(
+    server_process: tuple[str, subprocess.Popen[bytes], Path], make_batch: Any,
+    wire_example: Any,
+) -> None:
+    url, process, log = server_process
+    statuses: list[int] = []
+
+    def post(body: dict[str, Any] | str | bytes, headers: dict[str, str] | None = None) -> int:
+        content = body if isinstance(body, str | bytes) else json.dumps(body, ensure_ascii=False)
+        reply = httpx.post(f"{url}/v1/reports", content=content, headers=headers or JSON,
+                           timeout=30)
+        statuses.append(reply.status_code)
+        return reply.status_code
+
+    assert post(make_batch("before", 0, steps=(5,))) == 202
+    assert post(make_batch("restarted", 0, steps=(300,), attach_id="first-attach")) == 202
+    rss_before = _rss_bytes(process.pid)
+
+    # Cross-site "simple" POSTs, and a forged step.
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        assert post(json.dumps(make_batch("xsite")), {"Content-Type": kind}) == 415
+    assert post(make_batch("before", 0, steps=(2**53,))) == 409
+    # A flood of ranks, each at the wire's limits, until the budget says no.
+    event = wire_example["reports"][0]["events"][0]
+    heavy = [event | {"message": "\U0001f600" * 4000, "module": "m" * 256}] * 32
+    codes = [post(make_batch("flood", rank, events=heavy)) for rank in range(120)]
+    assert codes.count(429) > 0 and set(codes) <= {202, 429}
+    # Stalled connections past the limit, a slow body, clients leaving mid-body.
+    host, port = url.removeprefix("http://").split(":")
+    stalled = [socket.create_connection((host, int(port))) for _ in range(200)]
+    head = (b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5000\r\n\r\n{\"run_id\":")
+    for _ in range(20):
+        _raw(url, head, close_after_s=0.01)
+    time.sleep(2.5)  # past the read timeout: the stalled ones are closed
+    for sock in stalled:
+        sock.close()
+    # The restart: a new attach of the same run and rank halts at step 6.
+    restart = make_batch("restarted", 0, steps=(6,), attach_id="second-attach", halted="nonfinite")
+    assert post(restart) == 202
+    assert post(make_batch("after", 0, steps=(7,))) == 202
+
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert 'guard_step{rank="0",run_id="before"} 5.0' in metrics
+    assert 'guard_step{rank="0",run_id="after"} 7.0' in metrics
+    assert 'guard_halted{check="nonfinite",rank="0",run_id="restarted"} 1.0' in metrics
+    assert 'guard_step{rank="0",run_id="restarted"} 6.0' in metrics
+    assert "xsite" not in metrics
+    assert 'guard_ingest_rejected_total{reason="over_budget"}' in metrics
+    assert not [s for s in statuses if s >= 500]
+    grown = _rss_bytes(process.pid) - rss_before
+    assert grown <= BUDGET, f"resident memory grew {grown >> 20} MiB, budget {BUDGET >> 20} MiB"
+    text = log.read_text()
+    assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        check = subprocess.run([promtool, "check", "metrics"], input=metrics, text=True,
+                               capture_output=True, timeout=30)
+        assert check.returncode == 0 and not check.stdout.strip(), check.stdout + check.stderr
