@@ -1,31 +1,57 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from guard.cli import main
 from guard.demo.data import Corpus
-from guard.demo.run import REAL, ROWS, build, uninitialised
+from guard.demo.scenarios import REAL, ROWS, SCENARIOS, build, uninitialised
+
+Arms = dict[str, dict[str, Any]]
 
 
-def test_short_demo_shows_the_three_outcomes(tmp_path: Path) -> None:
-    rc = main(["demo", "--steps", "4", "--no-serve", "--out", str(tmp_path)])
+def _demo(tmp_path: Path, *argv: str) -> tuple[int, Arms, dict[str, Any]]:
+    rc = main(["demo", "--no-serve", "--out", str(tmp_path), *argv])
     summary = json.loads((tmp_path / "summary.json").read_text())
-    arms = {a["name"]: a for a in summary["arms"]}
-    assert rc == 0
-    # unguarded: the collapse really happens (NaN / spike), at a step the demo reports
-    assert arms["unguarded"]["first_bad"] == 1 and arms["unguarded"]["steps_run"] == 4
-    assert "collapsed at step 1" in arms["unguarded"]["verdict"]
-    # fail: stopped at the first step with the guard's message
+    return rc, {a["name"]: a for a in summary["arms"]}, summary
+
+
+def test_seed_scenario_the_guard_notices_at_step_1_and_no_nan_check_does(tmp_path: Path) -> None:
+    rc, arms, summary = _demo(tmp_path, "--steps", "8")
+    assert rc == 0 and summary["scenario"] == "seed"
+    unguarded = arms["unguarded"]
+    # The unguarded loss stays finite: the failure a NaN check cannot see.
+    assert all(isinstance(x, float) and math.isfinite(x) for x in unguarded["losses"])
+    assert unguarded["padding_mass"][0] > 0.5  # the ghost classes hold the probability
+    assert arms["NaN/Inf loss check"]["noticed"] is None
+    assert arms["detect_anomaly"]["noticed"] is None
+    assert arms["fail"]["noticed"] == 1 and arms["fail"]["steps_run"] == 1
     assert arms["fail"]["verdict"].startswith("stopped at step 1: padding_mass on rank 0")
     assert "[50000, 50016)" in arms["fail"]["verdict"]
-    # mask: the reference's loss curve
-    assert arms["mask"]["first_bad"] is None and arms["mask"]["steps_run"] == 4
+    assert arms["mask"]["noticed"] == 1 and arms["mask"]["padding_ids"] == 0
     assert summary["mask_vs_reference_max_abs_diff"] < 1e-4
+    # The stall: behind the reference already after 8 steps.
+    assert unguarded["final_loss"] > arms["reference"]["final_loss"] + 0.05
     assert (tmp_path / "losses.png").stat().st_size > 10_000
+
+
+def test_nan_scenario_every_detector_fires_at_step_1(tmp_path: Path) -> None:
+    rc, arms, _ = _demo(tmp_path, "--steps", "3", "--scenario", "nan")
+    assert rc == 0
+    assert arms["NaN/Inf loss check"]["noticed"] == 1 and arms["detect_anomaly"]["noticed"] == 1
+    assert arms["fail"]["noticed"] == 1 and arms["mask"]["steps_run"] == 3
+
+
+def test_the_closing_line_is_true_without_a_terminal(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["demo", "--steps", "1", "--serve", "127.0.0.1:0", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "endpoint is closed" in out and "until exit" not in out
 
 
 def test_corpus_is_deterministic_and_in_the_real_vocab() -> None:
@@ -40,9 +66,11 @@ def test_corpus_is_deterministic_and_in_the_real_vocab() -> None:
 def test_garbage_is_finite_and_the_reference_shares_the_real_rows() -> None:
     g = uninitialised((16, 8), seed=1)
     assert torch.isfinite(g).all() and float(g.abs().max()) > 1e30
-    padded, ref = build(0, 16, 1)
-    assert padded.wte.weight.shape[0] == ROWS and ref.wte.weight.shape[0] == REAL
-    assert torch.equal(padded.wte.weight[:REAL], ref.wte.weight)
+    for scenario in SCENARIOS.values():
+        padded, ref = build(scenario, 0, 16, 1)
+        assert padded.lm_head.weight.shape[0] == ROWS and ref.lm_head.weight.shape[0] == REAL
+        assert torch.equal(padded.lm_head.weight[:REAL], ref.lm_head.weight)
+        assert torch.isfinite(padded.lm_head.weight).all()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,143 @@
+"""One demo arm: a training run from the shared start, what it logged, and when each detector
+watching it first noticed anything."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import guard
+from guard.demo.data import Corpus
+from guard.demo.model import GPT
+from guard.demo.scenarios import REAL
+
+__all__ = ["ArmResult", "Detectors", "generated_padding_ids", "largest_spike", "train"]
+
+BATCH, BLOCK = 8, 32
+LR = 3e-3
+GENERATED = 50  # tokens sampled from each arm's final model
+
+
+@dataclass
+class ArmResult:
+    """What one arm did: its losses and padding mass per step and how it ended."""
+
+    name: str
+    losses: list[float] = field(default_factory=list)
+    padding_mass: list[float] = field(default_factory=list)  # the model's softmax, per step
+    noticed: int | None = None  # first step at which this arm's detector fired
+    verdict: str = ""
+    padding_ids: int | None = None  # of GENERATED sampled tokens, how many were padding ids
+    seconds: float = 0.0
+
+    @property
+    def steps_run(self) -> int:
+        return len(self.losses)
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+@dataclass
+class Detectors:
+    """What a user would otherwise rely on, watching the unguarded run: a NaN/Inf check on the
+    loss every step, and torch.autograd.detect_anomaly around backward. They only observe."""
+
+    nan_check: ArmResult
+    anomaly: ArmResult
+
+
+def _padding_mass(logits: torch.Tensor) -> float:
+    with torch.no_grad():
+        p = torch.softmax(logits.detach().float(), dim=-1)
+        return float(p[..., REAL:].sum(-1).mean()) if p.shape[-1] > REAL else 0.0
+
+
+def train(arm: ArmResult, model: GPT, opt: torch.optim.Optimizer, corpus: Corpus, steps: int,
+          device: str, g: guard.Guard | None, tick: Callable[[], None],
+          detectors: Detectors | None = None) -> None:
+    """Train `steps` steps; a guard's `fail` ends the arm with its message."""
+    start = time.perf_counter()
+    model.train()
+    try:
+        for step in range(1, steps + 1):
+            x, y = corpus.batch(step, BATCH, BLOCK)
+            logits, loss = model(x.to(device), y.to(device))
+            assert loss is not None
+            arm.losses.append(float(loss.detach()))  # the demo's own log, not the guard's
+            arm.padding_mass.append(_padding_mass(logits))
+            if detectors is not None:
+                _observe(detectors, step, loss)
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if g is not None and arm.noticed is None and _padding_mass_seen(g):
+                arm.noticed = step
+            tick()
+    except guard.GuardViolation as e:
+        arm.noticed = arm.noticed or e.step
+        arm.verdict = f"stopped at step {e.step}: {e}"
+    finally:
+        arm.seconds = time.perf_counter() - start
+
+
+def _padding_mass_seen(g: guard.Guard) -> bool:
+    # The failure this demo is about; the alignment warning at attach (50016 is not a multiple
+    # of 64) is reported before step 1 and printed apart.
+    counts: dict[str, int] = g.stats["violations"].get("padding_mass", {})
+    return sum(counts.values()) > 0
+
+
+def _observe(d: Detectors, step: int, loss: torch.Tensor) -> None:
+    # What users write: a host-side finiteness check of the loss, and anomaly mode in backward
+    # (which raises when a backward function returns NaN). Neither changes the numbers.
+    if d.nan_check.noticed is None and not math.isfinite(float(loss.detach())):
+        d.nan_check.noticed = step
+    try:
+        with warnings.catch_warnings():  # "Anomaly Detection has been enabled", every step
+            warnings.simplefilter("ignore", UserWarning)
+            with torch.autograd.detect_anomaly(check_nan=True):
+                loss.backward()  # type: ignore[no-untyped-call]
+    except RuntimeError as e:
+        if d.anomaly.noticed is None:
+            d.anomaly.noticed = step
+            d.anomaly.verdict = f"raised at step {step}: {str(e).splitlines()[0]}"
+
+
+def generated_padding_ids(model: GPT, corpus: Corpus, device: str, seed: int) -> int:
+    """How many of GENERATED tokens sampled from `model` are padding ids (>= REAL)."""
+    x, _ = corpus.batch(10_000 + seed, 1, 8)
+    ids = x.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    count = 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for _ in range(GENERATED):
+            logits, _ = model(ids[:, -BLOCK:])
+            p = torch.softmax(logits[0, -1].float(), dim=-1)
+            p = torch.nan_to_num(p, nan=0.0)
+            nxt = torch.multinomial(p, 1, generator=gen) if float(p.sum()) > 0 else p.argmax()[None]
+            count += int(nxt.item() >= REAL)
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    model.train(was_training)
+    return count
+
+
+def largest_spike(arm: ArmResult, ref: ArmResult, after: int = 5) -> tuple[int, float, float]:
+    """(step, loss before, loss at it) of the arm's largest step-to-step rise in loss past
+    step `after` that the reference did not have, or (0, nan, nan) when there is none."""
+    best = (0, math.nan, math.nan)
+    rise_best = 0.0
+    for i in range(after, min(len(arm.losses), len(ref.losses))):
+        rise = (arm.losses[i] - arm.losses[i - 1]) - (ref.losses[i] - ref.losses[i - 1])
+        if math.isfinite(rise) and rise > rise_best:
+            rise_best, best = rise, (i + 1, arm.losses[i - 1], arm.losses[i])
+    return best
