@@ -1,4 +1,7 @@
-"""The `guard` command: demo, serve, audit."""
+"""The `guard` command: demo, serve, audit, targets.
+
+Only `guard demo` imports torch: serve, audit, targets and --version start without it.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ __all__ = ["main"]
 
 Command = Callable[[argparse.Namespace], int]
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+SCENARIOS = ("seed", "nan")  # guard demo --scenario; guard/demo/run.py runs them
 
 
 def _demo(sub: Subparsers) -> None:
@@ -25,6 +29,11 @@ def _demo(sub: Subparsers) -> None:
     p.add_argument("--no-serve", action="store_true", help="no embedded /metrics endpoint")
     p.add_argument("--serve", default="127.0.0.1:9464", help="host:port of /metrics")
     p.add_argument("--push", default=None, help="also push reports to a guard server URL")
+    p.add_argument("--scenario", choices=SCENARIOS, default="seed",
+                   help="seed (default): the seed's collapse, uninitialised garbage in the "
+                   "padding rows, trained unguarded, with fail, with mask and as the reference; "
+                   "nan: a NaN reaches training mid-run and the guard names the first module "
+                   "that went non-finite and stops the run")
     p.set_defaults(run=_run_demo)
 
 
@@ -113,14 +122,103 @@ def _run_audit(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _targets(sub: Subparsers) -> None:
+    p = sub.add_parser("targets", help="print Prometheus file_sd targets for every rank of a job",
+                       description="One target per rank: the ranks of a node serve /metrics "
+                       "on --port + LOCAL_RANK (export.serve). Prints the file_sd JSON, one "
+                       "target group per node labelled `node`, or writes it to --out for a "
+                       "file_sd_configs glob. Exit status: 0 written, 2 bad input. "
+                       "See docs/scale.md.")
+    p.add_argument("--nodes", default=None, metavar="HOSTLIST",
+                   help="Slurm hostlist or comma list, e.g. node[01-04,07] "
+                   "(default: $SLURM_JOB_NODELIST)")
+    p.add_argument("--gpus-per-node", type=int, required=True, metavar="N",
+                   help="ranks per node, one endpoint each")
+    p.add_argument("--port", type=int, default=9464,
+                   help="port of local rank 0, export.serve's port (default 9464)")
+    p.add_argument("--run-id", default=None,
+                   help="add the target label guard_run_id (not run_id: the metrics carry "
+                   "run_id themselves, and Prometheus would rename theirs)")
+    p.add_argument("--label", action="append", default=[], metavar="NAME=VALUE",
+                   help="add a target label to every group (repeatable)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="write the file (atomically: Prometheus never reads half of it) "
+                   "instead of printing it")
+    p.set_defaults(run=_run_targets)
+
+
+def _run_targets(args: argparse.Namespace) -> int:
+    import json
+    import os
+    from pathlib import Path
+
+    from guard.targets import expand_hostlist, target_groups
+
+    nodes = args.nodes or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodes:
+        print("guard targets: give --nodes (a Slurm hostlist such as node[01-04]) or run "
+              "inside a Slurm job (SLURM_JOB_NODELIST)", file=sys.stderr)
+        return 2
+    labels: dict[str, str] = {}
+    for item in args.label:
+        name, sep, value = item.partition("=")
+        if not sep:
+            print(f"guard targets: --label {item!r}: expected NAME=VALUE", file=sys.stderr)
+            return 2
+        labels[name] = value
+    if args.run_id is not None:
+        labels["guard_run_id"] = args.run_id
+    try:
+        groups = target_groups(expand_hostlist(nodes), args.gpus_per_node, args.port, labels)
+    except ValueError as e:
+        print(f"guard targets: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(groups, indent=2) + "\n"
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    # Written beside the target and renamed over it: file_sd reloads on change, and a
+    # dot-name ending in .tmp never matches a `*.json` glob while it is being written.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        print(f"guard targets: cannot write {out}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class _Version(argparse.Action):
+    """`guard --version`: the installed package's version, looked up only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("logitguard")
+        except PackageNotFoundError:
+            found = "unknown (not installed: pip install -e .)"
+        print(f"logitguard {found}")  # stdout, as argparse's own version action
+        parser.exit()
+
+
 # Each entry adds one subcommand.
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_demo, _serve, _audit]
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_demo, _serve, _audit, _targets]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="guard", description="logitguard: vocab guardrails "
                                      "for language-model training")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)

@@ -122,14 +122,25 @@ def _variables(run_id: str | Sequence[str], rank: str | Sequence[str]) -> dict[s
     return {"run_id": regex_value(run_id), "rank": regex_value(rank), **BUILTINS}
 
 
+def custom_values(dashboard: dict[str, Any]) -> dict[str, str]:
+    """The current (default) value of each custom variable, such as `$topk`."""
+    return {
+        var["name"]: str(var["current"]["value"])
+        for var in dashboard["templating"]["list"]
+        if var["type"] == "custom"
+    }
+
+
 def dashboard_queries(
     path: Path = DASHBOARD, *, run_id: str | Sequence[str] = ALL, rank: str | Sequence[str] = ALL
 ) -> list[PanelQuery]:
-    """Each panel query of the dashboard, for the given run_id / rank selection."""
-    variables = _variables(run_id, rank)
+    """Each panel query of the dashboard, for the given run_id / rank selection (custom
+    variables at their defaults)."""
+    dashboard = load_dashboard(path)
+    variables = {**custom_values(dashboard), **_variables(run_id, rank)}
     return [
         PanelQuery(panel["title"], target["refId"], substitute(target["expr"], variables))
-        for panel in panels(load_dashboard(path))
+        for panel in panels(dashboard)
         for target in panel.get("targets", [])
     ]
 
@@ -167,6 +178,7 @@ _KEYWORDS = frozenset(
 def metric_names(expr: str) -> set[str]:
     """The metric names a PromQL expression selects (a lexical scan, enough for our queries)."""
     text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    text = re.sub(r"\$\{?\w+\}?", " ", text)  # dashboard variables, such as $topk
     text = re.sub(r"\{[^}]*\}", " ", text)  # label matchers
     text = re.sub(r"\[[^\]]*\]", " ", text)  # ranges and subqueries
     text = re.sub(

@@ -14,6 +14,7 @@ from tests.dashboards.queries import (
     GUARD_METRICS,
     ROOT,
     SERVER_METRICS,
+    custom_values,
     load_dashboard,
     metric_names,
     panels,
@@ -126,13 +127,22 @@ def test_halted_ranks_is_a_stat_that_reads_zero_when_none(dashboard: dict[str, A
     assert panel["fieldConfig"]["defaults"]["noValue"] == "0"
 
 
+EXTENSIONS = "Names this code adds to `../shared/DESIGN.md`'s contract"
+
+
 def test_metric_list_matches_design() -> None:
     if not DESIGN.is_file():
         pytest.skip(f"{DESIGN} not present (the shared contract lives beside the checkout)")
     table = DESIGN.read_text().split("| metric | type | extra labels |", 1)[1]
     rows = re.findall(r"^\|(.*?)\|", table.split("\n\n", 1)[0], re.M)
     design = {name for row in rows for name in re.findall(r"`(guard_\w+)`", row)}
-    assert design == GUARD_METRICS
+    # Metrics this code adds to the contract are listed in README.md's extension paragraph,
+    # to be folded into DESIGN: each name is in exactly one of the two.
+    readme = (ROOT / "README.md").read_text()
+    extensions = set(re.findall(r"metric `(guard_\w+)`", readme.split(EXTENSIONS, 1)[1]
+                                .split("\n\n", 1)[0]))
+    assert not design & extensions
+    assert design | extensions == GUARD_METRICS
 
 
 def test_variables_substitute_as_grafana_writes_them() -> None:
@@ -143,3 +153,29 @@ def test_variables_substitute_as_grafana_writes_them() -> None:
     assert substitute('x{r=~"$rank", s=~"${rank}"}', {"rank": "0"}) == 'x{r=~"0", s=~"0"}'
     with pytest.raises(KeyError, match=r"\$nope"):
         substitute("rate(x[$nope])", {})
+
+
+# The outermost aggregation of a query, and the labels it keeps: `sum by (run_id, rank) (`.
+_OUTER = re.compile(r"(topk|bottomk|sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(")
+
+
+def test_per_rank_panels_show_the_top_k_ranks_only(dashboard: dict[str, Any]) -> None:
+    # With thousands of ranks one line per rank is unreadable and heavy: every query that
+    # keeps the rank label is bounded by topk / bottomk($topk, ...); the others aggregate it
+    # away. test_live_scale.py checks the bound on a real Prometheus holding 1200 ranks.
+    for title, target in _targets(dashboard):
+        expr = target["expr"].strip()
+        outer = _OUTER.match(expr)
+        assert outer is not None, f"{title}: {expr} neither aggregates nor picks the top ranks"
+        if outer.group(1) in ("topk", "bottomk"):
+            assert expr.startswith(f"{outer.group(1)}($topk, "), f"{title}: k is not $topk"
+        else:
+            kept = {label.strip() for label in (outer.group(2) or "").split(",")}
+            assert "rank" not in kept, f"{title}: one series per rank: {expr}"
+
+
+def test_topk_variable_defaults_to_10(dashboard: dict[str, Any]) -> None:
+    (var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "topk"]
+    assert var["type"] == "custom" and var["current"]["value"] == "10"
+    assert {o["value"] for o in var["options"]} == set(var["query"].split(","))
+    assert custom_values(dashboard) == {"topk": "10"}
