@@ -265,10 +265,10 @@ def render(
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section in `path` (or append it), keeping the others."""
+def write_section(path: Path, section: str, heading: str = HEADING) -> None:
+    """Replace the section under `heading` in `path` (or append it), keeping the others."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.M | re.S)
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.M | re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text, count=1)
     else:

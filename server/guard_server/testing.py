@@ -74,16 +74,22 @@ class Prometheus:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def _config(targets: Sequence[str], scrape_interval_s: float, rule_files: Sequence[Path]) -> str:
+def _config(targets: Sequence[str], scrape_interval_s: float, rule_files: Sequence[Path],
+            drop_metrics: str | None = None) -> str:
     # Targets may be base URLs (EmbeddedServer.url); Prometheus wants "host:port".
     hosts = [target.split("://")[-1].rstrip("/") for target in targets]
     interval = f"{int(scrape_interval_s * 1000)}ms"
+    job: dict[str, Any] = {"job_name": "guard", "static_configs": [{"targets": hosts}]}
+    if drop_metrics is not None:
+        job["metric_relabel_configs"] = [
+            {"source_labels": ["__name__"], "regex": drop_metrics, "action": "drop"}
+        ]
     # JSON is valid YAML, so no YAML writer is needed.
     return json.dumps(
         {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(Path(p).resolve()) for p in rule_files],
-            "scrape_configs": [{"job_name": "guard", "static_configs": [{"targets": hosts}]}],
+            "scrape_configs": [job],
         }
     )
 
@@ -133,19 +139,22 @@ def run_prometheus(
     *,
     scrape_interval_s: float = 1.0,
     rule_files: Sequence[Path] = (),
+    drop_metrics: str | None = None,
     start_timeout_s: float = 30.0,
     binary: str | None = None,
 ) -> Iterator[Prometheus]:
     """Start Prometheus on a free loopback port scraping `targets`; always stop it.
 
-    Targets are "host:port" or base URLs such as `EmbeddedServer.url`.
+    Targets are "host:port" or base URLs such as `EmbeddedServer.url`; `drop_metrics`, a
+    regex of metric names dropped at scrape (metric relabeling), as deploy/'s recipes do.
     """
     binary = binary or prometheus_binary()
     if binary is None:
         raise FileNotFoundError("prometheus binary not found (Debian package `prometheus`)")
     with tempfile.TemporaryDirectory(prefix="guard-prometheus-") as tmp:
         workdir = Path(tmp)
-        (workdir / "prometheus.yml").write_text(_config(targets, scrape_interval_s, rule_files))
+        (workdir / "prometheus.yml").write_text(_config(targets, scrape_interval_s, rule_files,
+                                                           drop_metrics))
         # The free port can be taken between probe and bind (Prometheus then exits at once);
         # a fresh port covers that race. Alive but never ready is not worth another wait.
         for _ in range(3):

@@ -63,3 +63,31 @@ def test_two_servers_in_one_process_keep_apart(make_batch: Any) -> None:
         one.store.ingest(ReportBatch.model_validate(make_batch("only-one")))
         assert "only-one" in httpx.get(f"{one.url}/metrics").text
         assert "only-one" not in httpx.get(f"{two.url}/metrics").text
+
+
+def test_accepted_connections_send_without_nagle_delay() -> None:
+    # asyncio sets TCP_NODELAY on an accepted socket only when the listening socket says
+    # IPPROTO_TCP; without it each kept-alive scrape of the trainer's endpoint waited ~40 ms
+    # on delayed ACK (bench/scale.py: 44 ms before, 0.7 ms after).
+    import asyncio
+
+    from guard_server.embedded import listening_socket
+
+    async def accept_one() -> int:
+        sock = listening_socket("127.0.0.1", 0)
+        nodelay: list[int] = []
+
+        def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            conn = writer.get_extra_info("socket")
+            nodelay.append(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            while not nodelay:
+                await asyncio.sleep(0.01)
+            writer.close()
+        return nodelay[0]
+
+    assert asyncio.run(asyncio.wait_for(accept_one(), 10)) != 0
