@@ -92,6 +92,11 @@ class GuardedTraining:
         if self.guard is not None:
             self.guard.detach()
 
+    def figures(self) -> dict[str, float]:
+        """The guard's figures as of its last read, for the trainer's own loggers:
+        `Record.scalars()` ({} without a guard or before its first read; no device read)."""
+        return {} if self.guard is None else self.guard.record.scalars()
+
     def finish(self) -> None:
         """At the end of training: detach the guard, and under `mask` keep masking the padding
         columns of the head's output in this process, so evaluation and generation after

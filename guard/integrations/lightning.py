@@ -7,6 +7,11 @@ the previous step's flags. `on_before_optimizer_step` runs after the closure and
 update, so `fail` raises `GuardViolation` with the weights untouched; it propagates out of
 `trainer.fit()` (Lightning calls `on_exception`, which detaches the guard, then re-raises) on
 every rank at the same step. `trainer.should_stop` would stop only after this step's update.
+
+The guard's figures go to the module's loggers with `pl_module.log_dict(on_step=True)` right
+after each read (Lightning allows `self.log` in `on_before_optimizer_step`), so Lightning
+writes them at its own cadence (`log_every_n_steps`) and step, in the same rows as the
+module's metrics, to every logger (CSVLogger, TensorBoardLogger, ...).
 """
 
 from __future__ import annotations
@@ -71,6 +76,20 @@ class GuardCallback(GuardedTraining, pl.Callback):
         # The model's own loss when its forward returned one; else the one Lightning
         # backpropagates. Raises GuardViolation on `fail`, before the update.
         self.guard.step(loss, fallback=True)
+        self._log_figures(pl_module)
+
+    def _log_figures(self, pl_module: pl.LightningModule) -> None:
+        """The figures as of the last read, to the module's loggers (docs/integrations.md)."""
+        figures = self.figures()
+        if not figures:
+            return
+        # CPU tensors, not floats: `self.log` turns a number into a tensor on the module's
+        # device and Lightning reads each logged tensor back with .item() when it writes the
+        # logs, one device sync per figure; a CPU tensor stays on the CPU (Lightning moves the
+        # metric to the value's device) and its .item() is a copy in host memory. float64
+        # keeps counts exact past float32's 2**24.
+        pl_module.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in figures.items()},
+                           on_step=True, on_epoch=False, batch_size=1)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.finish()

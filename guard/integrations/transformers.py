@@ -7,17 +7,26 @@ out of `trainer.train()` with the guard's message (on every rank at the same ste
 `control.should_training_stop` instead would let the update with the bad gradients happen
 first, and `train()` would return as if training had succeeded, so the script would go on to
 save or push the model with exit status 0; `fail` means stop the job.
+
+How the guard's figures reach `report_to`: the Trainer calls its callbacks in list order, the
+reporting ones (TensorBoard, W&B, MLflow, ...) before the user's, and each reporter writes
+`logs` in its own `on_log`; keys added by a callback after it never reach it. So at
+`on_train_begin` the callback moves itself ahead of the first callback with an `on_log` of its
+own (see `_lead_loggers`), and its `on_log` adds the figures to the `logs` dict that the
+reporters then write (docs/integrations.md, trainer loggers).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import LogitsProcessor, TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
 from guard.device.checks import mask_padding_
 from guard.errors import AttachError
@@ -37,7 +46,12 @@ class GuardCallback(GuardedTraining, TrainerCallback):
     the guard's model hook picks up. `label_smoothing_factor` over a head with padding rows is
     refused at train begin (it smooths over the padding columns); a `compute_loss_func` takes
     the labels and the loss away from the model: the coverage check says so at step 1.
+
+    The guard's figures (`figures()`) go into the Trainer's logs at each log of a training
+    step, so every `report_to` integration records them under `guard/` (docs/integrations.md).
     """
+
+    _logged_at: int | None = None  # global_step of the last logs given the figures; None: off
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        processing_class: Any = None, optimizer: Any = None,
@@ -68,9 +82,66 @@ class GuardCallback(GuardedTraining, TrainerCallback):
                 "go unchecked. Set label_smoothing_factor=0 and smooth in the model's own loss "
                 f"over the real columns logits[..., :{g.real}] (docs/integrations.md), or "
                 "train a head without padding rows")
+        self._logged_at = -1
+        if not _lead_loggers(self):
+            log.warning("guard: GuardCallback could not find the Trainer's callback list, so "
+                        "the report_to callbacks run before it and log no guard/ figures; "
+                        "use report_to='none' and list the reporting callbacks after it: "
+                        "callbacks=[GuardCallback(...), TensorBoardCallback()]")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        # One set of figures per global step: the Trainer logs a step's training figures,
+        # then may log evaluation metrics and (after the last step) the run's totals at the
+        # same step; a second set would put two points at one step in every reporter.
+        if logs is None or self._logged_at is None or state.global_step <= self._logged_at:
+            return
+        figures = self.figures()
+        if figures:
+            logs.update(figures)
+            self._logged_at = state.global_step
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._logged_at = None  # evaluate() after training logs no figures of a detached guard
         self.finish()
+
+
+def _logs(callback: TrainerCallback) -> bool:
+    return type(callback).on_log is not TrainerCallback.on_log
+
+
+def _lead_loggers(callback: TrainerCallback) -> bool:
+    """Move `callback` ahead of the first callback with its own `on_log` in the Trainer's
+    `CallbackHandler`; False when that handler is not found.
+
+    The Trainer hands callbacks neither itself nor its handler, and builds their list as
+    defaults + report_to + the user's, so a callback given as `callbacks=[...]` always comes
+    after the reporters. The handler is the `self` of `CallbackHandler.call_event`, the frame
+    that calls this callback's `on_train_begin` (a couple of frames up): found by type and by
+    holding this very callback, not by position, so a wrapper frame in between changes
+    nothing. Moved during that call: `call_event` iterates the list by index and the move
+    takes the callback from index i to j < i, shifting only callbacks already called, so none
+    is skipped or called twice. Only callbacks that write logs are passed, so the order of
+    every other event (saving, early stopping) among the others is as the user gave it.
+    """
+    frame: FrameType | None = inspect.currentframe()
+    try:
+        for _ in range(8):  # call_event is two frames up; a bound keeps a miss cheap
+            if frame is None:
+                return False
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, CallbackHandler) and any(
+                    cb is callback for cb in handler.callbacks):
+                cbs = handler.callbacks
+                first = next(i for i, cb in enumerate(cbs) if cb is callback or _logs(cb))
+                if cbs[first] is not callback:
+                    mine = next(i for i, cb in enumerate(cbs) if cb is callback)
+                    cbs.insert(first, cbs.pop(mine))
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        del frame  # a frame held in a local keeps every frame above it alive
 
 
 def _normalises_by_window(model: nn.Module) -> bool:

@@ -31,13 +31,16 @@ from guard_server.wire import (
     VocabSizes,
 )
 
-__all__ = ["Record", "empty_stats"]
+__all__ = ["LOG_PREFIX", "Record", "empty_stats"]
 
 log = logging.getLogger("guard")
 
 # Warnings per check: every one of the first few, then one in this many, so a run that warns
 # every step still shows its first occurrences without flooding the log.
 _LOG_FIRST, _LOG_EVERY = 5, 100
+
+# The prefix of the guard's figures in a training framework's own logs (Record.scalars).
+LOG_PREFIX = "guard/"
 
 
 def empty_stats() -> dict[str, Any]:
@@ -154,10 +157,8 @@ class Record:
     def report(self, *, final: bool = False) -> StepReport:
         """The report of the last read (and the events since the previous report)."""
         s = self._stats
-        violations = {c: {a.value: 0} for c, a in self.enabled.items()}
-        for check, actions in self._violations.items():
-            violations.setdefault(check, {}).update(
-                {a: _count(n) for a, n in actions.items()})
+        violations = {c: {a: _count(n) for a, n in actions.items()}
+                      for c, actions in self._violation_counts().items()}
         events, self._events = self._events[-MAX_EVENTS:], []
         return StepReport(
             attach_id=self.attach_id, step=_count(s["step"]), timestamp=time.time(),
@@ -170,6 +171,36 @@ class Record:
             skipped_steps=_count(s["skipped_steps"]),
             halted=cast(CheckName | None, self.halted), vocab=self.vocab, dropped_reports=0,
             final=final, events=events)
+
+    def scalars(self) -> dict[str, float]:
+        """The last read as one flat dict for a trainer's loggers: `guard/<name>` named as on
+        the wire (`guard/nonfinite/logits`, `guard/violations/<check>/<action>`), gauges as of
+        the last read, counters as running totals since attach; {} before the first training
+        read (step 0 is attach's own read of the weights: no step's figures yet).
+
+        Plain numbers the host already holds: building it reads nothing from the device, so
+        a callback may call it at every log (docs/integrations.md, trainer loggers)."""
+        s = self._stats
+        if s["step"] < 1:
+            return {}
+        out: dict[str, float] = {"step": s["step"]}
+        for key in ("padding_mass", "padding_mass_max"):
+            if s[key] is not None:  # None: no position sampled (check off, or no padding)
+                out[key] = s[key]
+        out.update({f"nonfinite/{k}": n for k, n in s["nonfinite"].items()})
+        out.update({f"out_of_range/{k}": n for k, n in s["out_of_range"].items()})
+        for check, actions in self._violation_counts().items():
+            out.update({f"violations/{check}/{a}": n for a, n in actions.items()})
+        out["skipped_steps"] = s["skipped_steps"]
+        return {LOG_PREFIX + k: float(v) for k, v in out.items()}
+
+    def _violation_counts(self) -> dict[str, dict[str, int]]:
+        """check -> action -> count; each enabled check shows its action at 0 until it fires,
+        so its series starts with the run, not with its first violation."""
+        counts = {c: {a.value: 0} for c, a in self.enabled.items()}
+        for check, actions in self._violations.items():
+            counts.setdefault(check, {}).update(actions)
+        return counts
 
     def emit(self, *, final: bool = False) -> None:
         """One report to every sink; a sink that fails is logged and training goes on."""

@@ -15,7 +15,7 @@ from guard.step.record import Record, empty_stats
 from guard.step.verdict import Note, Verdict, Violation
 from guard.vocab.sizes import audit_sizes
 from guard_server.wire import MAX_COUNT, MAX_EVENTS, MAX_MESSAGE, MAX_MODULE, ReportBatch
-from tests.conftest import policy
+from tests.conftest import no_host_reads, policy
 
 VOCAB = {"real": 100, "rows": 128, "aligned": 128}
 
@@ -62,6 +62,28 @@ def test_values_add_up_in_stats_and_gauges_keep_their_last_value() -> None:
                  "out_of_range": {"input": 2, "label": 0}}
     s["nonfinite"]["logits"] = 99  # a copy
     assert r.stats["nonfinite"]["logits"] == 1
+
+
+def test_scalars_flatten_the_last_read_for_a_trainers_loggers() -> None:
+    r = record(padding_mass=Action.WARN, coverage=Action.WARN)
+    r.add(Verdict((violation("alignment", Action.WARN, 0),)))  # at attach: before any step
+    r.update(Values(), step=0)  # attach's read of the weights is no step's figures
+    assert r.scalars() == {}
+    r.update(Values(padding_mass=0.2, padding_mass_max=0.3, out_of_range={"input": 0,
+                                                                          "label": 3}), step=1)
+    r.update(Values(out_of_range={"input": 1, "label": 2}), step=2)  # no position sampled
+    r.add(Verdict((violation(step=2),)))
+    r.skipped()
+    with no_host_reads():
+        got = r.scalars()
+    assert got == {
+        "guard/step": 2.0, "guard/padding_mass": 0.2, "guard/padding_mass_max": 0.3,
+        "guard/nonfinite/logits": 0.0, "guard/nonfinite/hidden": 0.0,
+        "guard/nonfinite/loss": 0.0, "guard/out_of_range/input": 1.0,
+        "guard/out_of_range/label": 5.0, "guard/violations/padding_mass/warn": 1.0,
+        "guard/violations/coverage/warn": 0.0, "guard/violations/alignment/warn": 1.0,
+        "guard/skipped_steps": 1.0}
+    assert all(type(v) is float for v in got.values())
 
 
 def test_a_report_is_one_batch_of_the_wire_with_run_and_rank() -> None:
