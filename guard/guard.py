@@ -19,6 +19,7 @@ from guard.device.flags import Flags
 from guard.device.loss import LossShares, StepLoss, check_loss_options
 from guard.device.probe import Probe, ProbeConfig
 from guard.device.rows import PaddingRows, suppress_padding_ids
+from guard.device.sharded import register_sharded
 from guard.errors import AttachError, GuardViolation
 from guard.policy import Action, Policy
 from guard.policy_file import coerce_policy
@@ -259,6 +260,7 @@ def attach(
     if (ref := _ATTACHED.get(model)) is not None and (held := ref()) is not None:
         raise AttachError(
             f"a guard is already attached to this model ({held!r}); call detach() on it first")
+    register_sharded(model)  # FSDP2: the parameters the optimizer updates, not gathered copies
     heads = discover(model, embedding=embedding, lm_head=lm_head)
     rows, embedding_rows, shard = heads.head_rows, heads.embedding_rows, None
     if vocab_shard is not None:

@@ -1,5 +1,6 @@
 """The padding rows of the embedding and lm_head weights: checked on the device at attach and
-at each read, and repaired in place. O(padding rows x hidden) per check, no host read."""
+at each read, and repaired in place. O(padding rows x hidden) per check, no host read, no
+collective (FSDP2: each rank the rows it holds, guard/device/sharded.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from guard.device.flags import Flags
+from guard.device.sharded import RowShard
 from guard.policy import Policy
 
 __all__ = ["PaddingRows", "suppress_padding_ids"]
@@ -23,9 +25,13 @@ class PaddingRows:
         self.weights = weights  # (name, (rows, d) parameter)
         self.real = real  # first padding row, in the weights' own row numbers
         self.flags = flags
-        # The scale of a token row, taken once at attach: the largest real row's norm.
+        # Each rank reads the rows it holds: all of them, or its shard under FSDP2; the read's
+        # all-reduce (MAX) combines the shards, so no rank gathers a weight.
+        self._shards = [RowShard.of(w, name) for name, w in weights]
+        # The scale of a token row, taken once at attach: the largest real row's norm (of the
+        # whole weight: a shard may hold few real rows, or none).
         with torch.no_grad():
-            self._reference = [w[:real].float().norm(dim=-1).amax() for _, w in weights]
+            self._reference = [s.largest_norm_below(real) for s in self._shards]
 
     @classmethod
     def from_policy(cls, policy: Policy, flags: Flags, embedding: nn.Module,
@@ -52,21 +58,23 @@ class PaddingRows:
     def check(self) -> None:
         """Non-finite values and the norm ratio into the flags (device ops only)."""
         with torch.no_grad():
-            for (_, w), ref in zip(self.weights, self._reference, strict=True):
-                pad = w[self.real :].float()  # (padding rows, d)
+            for shard, ref in zip(self._shards, self._reference, strict=True):
+                pad = shard.rows_from(self.real).float()  # (padding rows held here, d)
+                if pad.shape[0] == 0:  # a shard of real rows only: the other ranks report
+                    continue
                 norm = pad.norm(dim=-1).amax()
                 ratio = torch.where(ref > 0, norm / ref.clamp_min(1e-30),
                                     torch.where(norm > 0, float("inf"), 0.0))
                 bad = torch.isfinite(pad).logical_not().sum()
-                self.flags.follow(w.device)
+                self.flags.follow(pad.device)
                 self.flags.add_rows(bad, torch.nan_to_num(ratio, nan=float("inf")))
 
     def repair(self) -> None:
         """Zero the padding rows in place: no embedding for the padding ids, and a logit of
         0 (the bias, if any) that real tokens outweigh once the guard is gone."""
         with torch.no_grad():
-            for _, w in self.weights:
-                w[self.real :].zero_()
+            for shard in self._shards:  # under FSDP2 the padding rows this rank holds
+                shard.rows_from(self.real).zero_()
 
 
 def suppress_padding_ids(model: nn.Module, real: int, rows: int) -> None:

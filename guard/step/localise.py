@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from guard.device.sharded import register_sharded
+
 __all__ = ["Finding", "Inputs", "Localiser", "any_nonfinite", "capture", "rerun"]
 
 log = logging.getLogger("guard")
@@ -166,3 +168,6 @@ def rerun(model: nn.Module, inputs: Inputs) -> Finding | None:
         loc.disarm()
         for m, mode in modes:
             m.training = mode
+        # FSDP2 keeps the gathered parameters after a forward without grad, and the next
+        # forward would reuse them: the copies from before this step's update.
+        register_sharded(model)

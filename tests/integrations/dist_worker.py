@@ -5,13 +5,16 @@ usage: python -m torch.distributed.run --nproc-per-node 2 ... dist_worker.py OUT
 
 MODE: `tiny` (the project's GPT, default), `ddp-wrapper` or `ddp-module` (nanoGPT's own
 model.py inside DistributedDataParallel, called as nanoGPT's train.py does, `model(X, Y)`;
-the guard attached to the wrapper or to its `.module`). Rank 1 alone feeds a ghost label at
-step 3; every rank writes OUT_DIR/rank<N>.json with the
+the guard attached to the wrapper or to its `.module`), `fsdp2` (nanoGPT under FSDP2's
+`fully_shard`, each Block then the root: the weights are DTensors sharded by rows). Rank 1
+alone feeds a ghost label at step 3; every rank writes OUT_DIR/rank<N>.json with the
 step it raised at, the violation's data, its collective counts and its /metrics endpoint.
+MODE `fsdp2-checks` runs the other checks under FSDP2 instead (FSDP2_CHECKS), one entry each.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from datetime import timedelta
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import guard
 from guard.device.flags import Flags
 from tests.conftest import batch, policy, tiny_gpt
+from tests.integrations.nanogpt import nanogpt
 
 GHOST_RANK, GHOST_STEP, STEPS = 1, 3, 6
 
@@ -41,23 +45,176 @@ def count_calls(owner: Any, name: str, counts: dict[str, int], key: str) -> None
     setattr(owner, name, counted)
 
 
-def nanogpt(mode: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def wrapped_nanogpt(mode: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the model the loop calls, the module the guard is attached to)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data" / "nanogpt"))
-    import model as nano  # nanoGPT's own model.py
-
-    torch.manual_seed(0)
-    cfg = nano.GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2, n_embd=32,
-                         dropout=0.0, bias=False)
-    ddp = DistributedDataParallel(nano.GPT(cfg))
+    if mode == "fsdp2":  # in place: the model is the FSDPModule, nothing wraps it
+        model = sharded(nanogpt(garbage=None))
+        return model, model
+    ddp = DistributedDataParallel(nanogpt(garbage=None))
     return ddp, (ddp if mode == "ddp-wrapper" else ddp.module)
+
+
+@functools.cache
+def cpu_mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """nanoGPT under FSDP2 as its examples shard a transformer: each Block, then the root (the
+    tied wte / lm_head and ln_f). Sharded by rows: rank r holds rows [64 r, 64 (r + 1)) of a
+    128-row weight, as DTensors, outside forward and backward."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    return model
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, *, real: int = 100,
+          g: guard.Guard | None = None, nan_at: int | None = None) -> list[float]:
+    """This rank's losses; each rank its own batches. `nan_at`: at that step rank 0 shows
+    the guard a NaN loss (g.step), while the finite loss is backpropagated as before."""
+    losses: list[float] = []
+    for step in range(1, steps + 1):
+        _, loss = model(*rank_batch(step, dist.get_rank(), real))
+        losses.append(loss.item())
+        loss.backward()
+        if g is not None and step == nan_at and dist.get_rank() == 0:
+            g.step(torch.tensor(float("nan")))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def rank_batch(step: int, rank: int, real: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch(real, seed=10 * step + rank)
+
+
+def violation(e: guard.GuardViolation) -> dict[str, Any]:
+    return {"check": e.check, "step": e.step, "rank": e.rank, "message": str(e)}
+
+
+def padding_rows_under_fsdp2() -> dict[str, Any]:
+    """Garbage in rows [20, 64) of a 64-row vocab, split between the shards at row 32: rank 0
+    holds real rows and padding, rank 1 padding only (no real row to scale its norms by)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    real, rows = 20, 64
+    out: dict[str, Any] = {}
+    clean = sharded(nanogpt(garbage=None, rows=rows, real=real))  # rows initialised as real ones
+    with guard.attach(clean, policy=policy(padding_rows={"action": "warn"}),
+                      vocab_size=real) as g:
+        pass
+    out["clean_violations"] = g.stats["violations"]
+    model = nanogpt(garbage=1e3, rows=rows, real=real)
+    before = model.lm_head.weight.detach().clone()  # (64, 32), the whole weight
+    sharded(model)
+    weight: Any = model.lm_head.weight  # a DTensor: this rank's 32 rows
+    try:
+        guard.attach(model, policy=policy(padding_rows={"action": "fail"}), vocab_size=real)
+    except guard.GuardViolation as e:
+        out["fail"] = violation(e)
+    out["fail_left_rows"] = torch.equal(weight.full_tensor(), before)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with guard.attach(model, policy=policy(padding_rows={"action": "repair"}), vocab_size=real,
+                      optimizer=opt) as g:
+        out["zero_local_rows"] = int((weight.to_local() == 0).all(dim=-1).sum())
+        full = weight.full_tensor()
+        out["repaired"] = bool((full[real:] == 0).all()) and torch.equal(full[:real],
+                                                                        before[:real])
+        for step in range(1, 4):
+            _, loss = model(*rank_batch(step, dist.get_rank(), real))
+            loss.backward()
+            if step == 2 and dist.get_rank() == 0:
+                with torch.no_grad():
+                    weight.to_local()[real:] = 1e3  # rank 0's padding rows [20, 32), mid-run
+            with CommDebugMode() as comm:  # counts DTensor's collectives too (a gather)
+                opt.step()  # the read: the rows each rank holds, checked and repaired
+            out.setdefault("step_collectives", []).append(
+                {str(op): n for op, n in comm.get_comm_counts().items()})
+            opt.zero_grad()
+    out["violations"] = g.stats["violations"]
+    out["zero_after_training"] = bool((weight.full_tensor()[real:] == 0).all())
+    return out
+
+
+def real_vocab_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The same nanoGPT with the real rows only: what the mask must train like."""
+    ref = nanogpt(garbage=None, rows=100)
+    ref.load_state_dict({k: v[:100] if k in ("transformer.wte.weight", "lm_head.weight") else v
+                         for k, v in model.state_dict().items()})
+    return ref
+
+
+def mask_under_fsdp2() -> dict[str, Any]:
+    """The mask trains the sharded 128-row model as a 100-row one trained in one process on
+    both ranks' batches; without it the loss is off from step 1 (padding_mass: fail)."""
+    out: dict[str, Any] = {}
+    model = nanogpt(garbage=None)
+    ref = real_vocab_copy(model)
+    sharded(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with guard.attach(model, policy=policy(padding_mass={"action": "mask"}), vocab_size=100,
+                      optimizer=opt) as g:
+        out["losses"] = train(model, opt, 4)
+    out["stats"] = g.stats
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    out["reference"] = []
+    for step in range(1, 5):  # the global batch: every rank's, as FSDP2 averages them
+        xs, ys = zip(*(rank_batch(step, r) for r in range(dist.get_world_size())), strict=True)
+        _, loss = ref(torch.cat(xs), torch.cat(ys))
+        out["reference"].append(loss.item())
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    unmasked = sharded(nanogpt(garbage=None))
+    opt = torch.optim.AdamW(unmasked.parameters(), lr=1e-2)
+    with guard.attach(unmasked, policy=policy(padding_mass={"action": "fail"}), vocab_size=100,
+                      optimizer=opt) as g:
+        try:
+            train(unmasked, opt, 2, g=g)
+        except guard.GuardViolation as e:
+            out["fail"] = violation(e)
+    out["unmasked_loss"] = g.stats["loss"]  # this rank's, at the failing step
+    return out
+
+
+def nonfinite_under_fsdp2() -> dict[str, Any]:
+    """A NaN loss on rank 0 at step 2: `fail` stops both ranks there, localised by a re-run of
+    the forward (FSDP2 gathers the weights for it); under `warn` training goes on exactly as
+    a run without the NaN."""
+    out: dict[str, Any] = {}
+    for action, nan_at in (("warn", None), ("warn", 2), ("fail", 2)):
+        model = sharded(nanogpt(garbage=None))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with guard.attach(model, policy=policy(nonfinite={"action": action}), vocab_size=100,
+                          optimizer=opt) as g:
+            key = f"{action}-{nan_at}"
+            try:
+                out[key] = {"losses": train(model, opt, 4, g=g, nan_at=nan_at)}
+            except guard.GuardViolation as e:
+                out[key] = violation(e)
+        out[key]["stats"] = g.stats
+    return out
+
+
+FSDP2_CHECKS = {"padding_rows": padding_rows_under_fsdp2, "mask": mask_under_fsdp2,
+                "nonfinite": nonfinite_under_fsdp2}
 
 
 def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     rank = dist.get_rank()
+    if mode == "fsdp2-checks":
+        results = {name: check() for name, check in FSDP2_CHECKS.items()}
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+        return
     counts = {"all_reduce": 0, "read": 0, "other_collectives": 0}
     count_calls(dist, "all_reduce", counts, "all_reduce")
     for name in ("broadcast", "all_gather", "all_gather_into_tensor", "reduce", "barrier",
@@ -67,7 +224,7 @@ def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
 
     model = target = tiny_gpt()
     if mode != "tiny":
-        model, target = nanogpt(mode)
+        model, target = wrapped_nanogpt(mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pol = policy()
     pol["export"] = {"serve": f"127.0.0.1:{serve_port}"}

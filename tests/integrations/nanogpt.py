@@ -24,15 +24,16 @@ def nanogpt_module() -> ModuleType:
     return sys.modules["nanogpt_model"]
 
 
-def nanogpt(garbage: float | None = 3.0, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer nanoGPT with ROWS vocab rows; `garbage` fills the padding rows [REAL, ROWS)
+def nanogpt(garbage: float | None = 3.0, seed: int = 0, *, rows: int = ROWS,
+            real: int = REAL) -> torch.nn.Module:
+    """A 2-layer nanoGPT with `rows` vocab rows; `garbage` fills the padding rows [real, rows)
     of its tied wte / lm_head, as an uninitialised resize leaves them."""
     nano = nanogpt_module()
     torch.manual_seed(seed)
-    cfg = nano.GPTConfig(block_size=32, vocab_size=ROWS, n_layer=2, n_head=2, n_embd=32,
+    cfg = nano.GPTConfig(block_size=32, vocab_size=rows, n_layer=2, n_head=2, n_embd=32,
                          dropout=0.0, bias=False)
     model: torch.nn.Module = nano.GPT(cfg)
     if garbage is not None:
         with torch.no_grad():
-            model.lm_head.weight[REAL:] = garbage
+            model.lm_head.weight[real:] = garbage
     return model

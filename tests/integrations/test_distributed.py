@@ -1,4 +1,5 @@
-"""Two ranks under torchrun (gloo, CPU): one violation, one decision, no hang."""
+"""Two ranks under torchrun (gloo, CPU): one violation, one decision, no hang; nanoGPT under
+DDP and under FSDP2 (fully_shard), whose weights are DTensors sharded by rows."""
 
 from __future__ import annotations
 
@@ -100,3 +101,81 @@ def test_nanogpt_under_ddp_is_guarded_whether_attached_to_the_wrapper_or_the_mod
     r, _ = run_ranks(tmp_path, mode)
     for i, res in enumerate(r):
         assert_both_stopped_at_the_ghost(res, i)
+
+
+@pytest.mark.slow
+@DIST
+def test_nanogpt_under_fsdp2_stops_both_ranks_at_the_ghost_label(tmp_path: Path) -> None:
+    # fully_shard each Block, then the root, in place: the guard is attached to the
+    # FSDPModule itself. Its hooks see the gathered weights, its labels the model's forward.
+    r, _ = run_ranks(tmp_path, "fsdp2")
+    for i, res in enumerate(r):
+        assert_both_stopped_at_the_ghost(res, i)  # one all-reduce per read, FSDP2's aside
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """dist_worker.py's FSDP2_CHECKS, both ranks' results, from one torchrun."""
+    return run_ranks(tmp_path_factory.mktemp("fsdp2"), "fsdp2-checks")[0]
+
+
+@pytest.mark.slow
+@DIST
+def test_fsdp2_padding_rows_are_checked_and_repaired_on_each_shard_without_a_gather(
+        fsdp2: list[dict[str, Any]]) -> None:
+    # 64 rows split at row 32, real 20: rank 0 holds 12 padding rows, rank 1 32 and no real row.
+    for i, res in enumerate(fsdp2):
+        rows = res["padding_rows"]
+        assert "padding_rows" not in rows["clean_violations"]  # none on rank 1's shard either
+        assert (rows["fail"]["check"], rows["fail"]["step"], rows["fail"]["rank"]) == \
+            ("padding_rows", 0, 1)
+        assert rows["fail"]["message"].startswith(
+            "padding_rows on rank 1 at step 0: rows [20, 64) of transformer.wte.weight (tied: "
+            "lm_head.weight): the largest norm 4.352e+04x the largest real row's")
+        assert rows["fail_left_rows"]  # fail changes nothing
+        # repair: each rank zeroes the padding rows it holds, the real rows stay as they were.
+        assert rows["zero_local_rows"] == (12, 32)[i] and rows["repaired"]
+        # Garbage written into rank 0's shard after step 1 is seen at the step 2 read and
+        # repaired; each read costs the guard's one all-reduce, no gather of the weight.
+        assert rows["violations"]["padding_rows"] == {"repair": 2}
+        assert rows["step_collectives"] == [{"c10d.allreduce_": 1}] * 3
+        assert rows["zero_after_training"]
+
+
+@pytest.mark.slow
+@DIST
+def test_fsdp2_mask_trains_as_the_real_vocab_model(fsdp2: list[dict[str, Any]]) -> None:
+    # The reference: the same weights without the 28 padding rows, trained in one process on
+    # both ranks' batches (FSDP2 averages the ranks' gradients, as DDP does).
+    masked = [res["mask"] for res in fsdp2]
+    reference = masked[0]["reference"]
+    assert masked[1]["reference"] == reference
+    for step, ref in enumerate(reference):
+        assert (masked[0]["losses"][step] + masked[1]["losses"][step]) / 2 == \
+            pytest.approx(ref, abs=1e-5)
+    for res in masked:
+        stats = res["stats"]
+        # Measured before the mask, on every step; nothing else fired and no check was blind.
+        assert stats["padding_mass"] > 0.1
+        assert stats["violations"] == {"padding_mass": {"mask": 4}}
+        # Unmasked, both ranks stop at step 1, with the loss the padding columns inflate.
+        assert (res["fail"]["check"], res["fail"]["step"]) == ("padding_mass", 1)
+    unmasked = (masked[0]["unmasked_loss"] + masked[1]["unmasked_loss"]) / 2
+    assert unmasked > reference[0] + 0.1
+
+
+@pytest.mark.slow
+@DIST
+def test_fsdp2_nan_stops_both_ranks_and_its_localising_rerun_changes_no_step(
+        fsdp2: list[dict[str, Any]]) -> None:
+    for i, res in enumerate(fsdp2):
+        nan = res["nonfinite"]
+        fail = nan["fail-2"]
+        assert (fail["check"], fail["step"], fail["rank"]) == ("nonfinite", 2, 0)
+        assert "Localisation: every module output was finite on a re-run" in fail["message"]
+        # The re-run is a forward without grad between backward and the update, after which
+        # FSDP2 keeps the weights gathered: the guard reshards them, or step 3 would run on
+        # the weights from before step 2's update.
+        assert nan["warn-2"]["losses"] == nan["warn-None"]["losses"]
+        assert nan["warn-2"]["stats"]["violations"]["nonfinite"] == {"warn": 1}
+        assert nan["warn-2"]["stats"]["nonfinite"]["loss"] == (1, 0)[i]  # rank 0's NaN

@@ -1,0 +1,103 @@
+"""Weights sharded by rows (FSDP2's `fully_shard`, a DTensor `Shard(0)`): which rows of the
+whole weight this rank holds, read and written in place without a collective (the scale taken
+at attach costs one all-gather of a number per row)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from guard.errors import AttachError
+
+__all__ = ["RowShard", "register_sharded"]
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """Rows [first, first + count) of a (rows, d) weight: the ones this rank holds."""
+
+    weight: torch.Tensor  # the parameter the optimizer updates: a plain tensor or a DTensor
+    first: int
+    count: int
+    dtensor: bool = False
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, name: str) -> RowShard:
+        """All rows of a plain tensor; a DTensor's local rows, found from its placements (one
+        mesh dimension `Shard(0)`, the others `Replicate()`: FSDP2, HSDP). Else AttachError."""
+        rows = weight.shape[0]
+        dt = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
+        if dt is None or not isinstance(weight, dt.DTensor):
+            return cls(weight, 0, rows)
+        placements = tuple(weight.placements)
+        sharded = [i for i, p in enumerate(placements) if not p.is_replicate()]
+        # Shard(0) itself: under _StridedShard (FSDP2 over tensor parallel) a rank's rows are
+        # not one block of the whole weight; Shard(1) splits each row's norm over ranks.
+        if len(sharded) > 1 or any(type(placements[i]) is not dt.Shard
+                                   or not placements[i].is_shard(0) for i in sharded):
+            raise AttachError(
+                f"padding_rows reads the rows of {name} that this rank holds, but it is a "
+                f"DTensor with placements {placements}: the guard reads weights sharded by "
+                "rows on one mesh dimension (Shard(0), as fully_shard does) or replicated. Set "
+                "checks.padding_rows.action: off to attach without it (the padding rows are "
+                "then neither checked nor repaired; the other checks and the mask still work)")
+        if not sharded:
+            return cls(weight, 0, rows, dtensor=True)
+        mesh = weight.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:  # this rank is outside the mesh: it holds no row
+            return cls(weight, rows, 0, dtensor=True)
+        # DTensor splits a sharded dimension as torch.chunk does: ceil(rows / n) rows per
+        # rank, the last ranks fewer or none.
+        dim = sharded[0]
+        per_rank = -(-rows // mesh.size(dim))
+        first = min(coordinate[dim] * per_rank, rows)
+        shard = cls(weight, first, min(per_rank, rows - first), dtensor=True)
+        if (local := shard.local().shape[0]) != shard.count:
+            raise AttachError(
+                f"padding_rows: this rank's shard of {name} has {local} rows, expected "
+                f"{shard.count} (rows [{first}, {first + shard.count}) of {rows}, split as "
+                "torch.chunk does); set checks.padding_rows.action: off to attach without it")
+        return shard
+
+    def local(self) -> torch.Tensor:
+        """The rows this rank holds, (count, d): the storage itself, so writes are in place.
+        Taken at each use: FSDP2 may replace a DTensor's local tensor (`model.to()`)."""
+        if not self.dtensor:
+            return self.weight
+        local: torch.Tensor = cast(Any, self.weight).to_local()
+        return local
+
+    def rows_from(self, start: int) -> torch.Tensor:
+        """The rows held here whose number in the whole weight is >= start, (k, d); k may be 0."""
+        return self.local()[min(max(start - self.first, 0), self.count) :]
+
+    def largest_norm_below(self, end: int) -> torch.Tensor:
+        """0-dim: the largest norm of rows [0, end) of the whole weight. A DTensor's row norms,
+        (rows,), are gathered: one all-gather of `rows` floats, at attach only."""
+        w = self.weight.detach()
+        if not self.dtensor:
+            w = w[:end]
+        norms: torch.Tensor = w.float().norm(dim=-1)  # (end,), or a DTensor (rows,)
+        if self.dtensor:
+            norms = cast(Any, norms).full_tensor()[:end]
+        return norms.amax()
+
+
+def register_sharded(model: nn.Module) -> None:
+    """FSDP2 keeps the root's parameters gathered after a forward without grad (an evaluation
+    before attach, the guard's own re-run to localise a NaN), and the next forward reuses them:
+    put the sharded ones back, so the guard holds the parameters the optimizer updates (not
+    copies whose storage FSDP2 frees) and no forward runs on weights from before an update.
+    No collective; the next forward gathers them again."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: nothing is sharded
+    fsdp_module = getattr(fsdp, "FSDPModule", None)
+    if fsdp_module is None:
+        return
+    for m in model.modules():
+        if isinstance(m, fsdp_module):
+            m.reshard()
