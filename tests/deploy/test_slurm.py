@@ -84,11 +84,12 @@ def active_targets(url: str, want: int, timeout_s: float = 30.0) -> list[dict[st
     while time.monotonic() < deadline:
         try:
             reply = httpx.get(f"{url}/api/v1/targets", timeout=2.0)
-            reply.raise_for_status()
-            found = reply.json()["data"]["activeTargets"]
-            dropped = reply.json()["data"]["droppedTargets"]
-            if len(found) + len(dropped) >= want:
-                return found
+            # 503 until Prometheus is ready (it is still starting): asked again, as a refusal.
+            if reply.status_code == 200:
+                found = reply.json()["data"]["activeTargets"]
+                dropped = reply.json()["data"]["droppedTargets"]
+                if len(found) + len(dropped) >= want:
+                    return found
         except httpx.TransportError:
             pass
         time.sleep(0.25)
