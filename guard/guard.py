@@ -55,8 +55,13 @@ class Guard:
         flags = Flags.from_policy(policy, device, rank)
         loss = StepLoss.from_policy(policy, flags, shares=loss_shares, scale=loss_scale)
         cfg = ProbeConfig.from_policy(policy, audit, vocab_shard)
-        rows = PaddingRows.from_policy(policy, flags, heads.embedding, heads.lm_head,
-                                       cfg.real_columns, (heads.embedding_name, heads.lm_head_name))
+        # The head's padding starts at its real columns (fewer on the shard of a vocab-parallel
+        # head); the embedding's at the real vocab, or like the head's when sharded alike.
+        alike = vocab_shard is not None and heads.embedding_rows == heads.head_rows
+        firsts = (cfg.real_columns if alike else min(audit.real, heads.embedding_rows),
+                  cfg.real_columns)
+        rows = PaddingRows.from_policy(policy, flags, heads.embedding, heads.lm_head, firsts,
+                                       (heads.embedding_name, heads.lm_head_name))
         self.probe = Probe(cfg, flags, loss, rows)
         self.clock = StepClock.from_policy(policy, self.probe, self._on_read,
                                            optimizer=optimizer, steps=steps)
@@ -117,6 +122,14 @@ class Guard:
         if self.clock.boundary != "optimizer":
             self.clock.mark()
 
+    def repair_padding_rows(self) -> None:
+        """What `padding_rows: repair` does, now: the padding rows set to the mean of the
+        current real rows, for what runs after the guard (the callbacks call it at the end of
+        training: the real rows have moved since attach). A collective under FSDP2, so every
+        rank calls it; nothing without the check or without padding rows."""
+        if self.probe.rows is not None:
+            self.probe.rows.repair()
+
     def detach(self) -> None:
         """Remove every hook, report the last values, close the sinks. Idempotent."""
         if self._detached:
@@ -160,15 +173,15 @@ class Guard:
             if reading is not None and (error := self._judge(reading, 0, rerun=False).error()):
                 raise error
         if self.policy.action("padding_rows") is Action.REPAIR:
-            suppress_padding_ids(self.model, self.probe.cfg.real_columns, self.probe.cfg.rows)
+            suppress_padding_ids(self.model, self.real, self.rows)  # global ids, sharded or not
         self.handles += self.probe.install(self.model, self.heads)
         self.handles += self.clock.install(self.model, self.optimizer)
         if self.episodes is not None and self.optimizer is not None:
             self.handles += self.episodes.install(self.probe.flags)
         _ATTACHED[self.model] = weakref.ref(self)
-        if drop_compiled(self.model):
-            log.info("guard: dropped torch.compile's cached graphs of this model, traced without "
-                     "the guard's hooks; the next training step recompiles once")
+        if drop_compiled():
+            log.info("guard: dropped torch.compile's cached graphs, which may run this model "
+                     "traced without the guard's hooks; each compiled function recompiles once")
 
     def _remove(self) -> None:
         """Every hook and the registry entry; idempotent (detach and a failed attach)."""
@@ -177,7 +190,7 @@ class Guard:
             h.remove()
         self.handles.clear()
         if hooked:
-            drop_compiled(self.model)  # graphs traced with the hooks would go on running them
+            drop_compiled()  # graphs traced with the hooks would go on running them
         if self.episodes is not None:
             self.episodes.close()
         if (held := _ATTACHED.get(self.model)) is not None and held() is self:

@@ -1,10 +1,12 @@
 """The padding rows of the embedding and lm_head weights: checked on the device at attach and
 at each read, and repaired in place. O(padding rows x hidden) per check, no host read, no
-collective (FSDP2: each rank the rows it holds, guard/device/sharded.py)."""
+collective (FSDP2: each rank the rows it holds, guard/device/sharded.py); a repair, rare, is
+O(rows x hidden) and one all-reduce of a row under FSDP2."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -21,45 +23,52 @@ log = logging.getLogger("guard")
 class PaddingRows:
     """Rows [real, rows) of each distinct weight (one when embedding and head are tied)."""
 
-    def __init__(self, weights: list[tuple[str, torch.Tensor]], real: int, flags: Flags) -> None:
-        self.weights = weights  # (name, (rows, d) parameter)
-        self.real = real  # first padding row, in the weights' own row numbers
+    def __init__(self, weights: list[tuple[str, torch.Tensor, int]], flags: Flags,
+                 biases: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
+        # (name, (rows, d) parameter, its first padding row in its own row numbers: the real
+        # vocab, or fewer on the shard of a vocab-parallel head)
+        self.weights = weights
         self.flags = flags
         # Each rank reads the rows it holds: all of them, or its shard under FSDP2; the read's
         # all-reduce (MAX) combines the shards, so no rank gathers a weight.
-        self._shards = [RowShard.of(w, name) for name, w in weights]
+        self._shards = [(RowShard.of(w, name), real) for name, w, real in weights]
+        self._biases = [(RowShard.of(b, "lm_head.bias"), real) for b, real in biases]
         # The scale of a token row, taken once at attach: the largest real row's norm (of the
         # whole weight: a shard may hold few real rows, or none).
         with torch.no_grad():
-            self._reference = [s.largest_norm_below(real) for s in self._shards]
+            self._reference = [s.largest_norm_below(real) for s, real in self._shards]
 
     @classmethod
-    def from_policy(cls, policy: Policy, flags: Flags, embedding: nn.Module,
-                    head: nn.Module, real: int, names: tuple[str, str]) -> PaddingRows | None:
-        """None where the check is off or no weight has a padding row."""
+    def from_policy(cls, policy: Policy, flags: Flags, embedding: nn.Module, head: nn.Module,
+                    firsts: tuple[int, int], names: tuple[str, str]) -> PaddingRows | None:
+        """None where the check is off or no weight has a padding row. `firsts`: the first
+        padding row of the embedding's and of the head's weight."""
         if not policy.enabled("padding_rows"):
             return None
-        weights: list[tuple[str, torch.Tensor]] = []
-        for name, module in zip(names, (embedding, head), strict=True):
+        weights: list[tuple[str, torch.Tensor, int]] = []
+        for name, module, real in zip(names, (embedding, head), firsts, strict=True):
             w = getattr(module, "weight", None)
             if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] > real):
                 continue
-            tied = next((i for i, (_, seen) in enumerate(weights) if seen is w), None)
+            tied = next((i for i, (_, seen, _) in enumerate(weights) if seen is w), None)
             if tied is None:
-                weights.append((f"{name}.weight", w))
+                weights.append((f"{name}.weight", w, real))
             else:  # one tensor: checked and repaired once, named twice
-                weights[tied] = (f"{weights[tied][0]} (tied: {name}.weight)", w)
-        return cls(weights, real, flags) if weights else None
+                weights[tied] = (f"{weights[tied][0]} (tied: {name}.weight)", w, real)
+        bias = getattr(head, "bias", None)
+        biases = ([(bias, firsts[1])] if isinstance(bias, torch.Tensor) and bias.dim() == 1
+                  and bias.shape[0] > firsts[1] else [])
+        return cls(weights, flags, biases) if weights else None
 
     @property
     def names(self) -> str:
-        return " and ".join(name for name, _ in self.weights)
+        return " and ".join(name for name, _, _ in self.weights)
 
     def check(self) -> None:
         """Non-finite values and the norm ratio into the flags (device ops only)."""
         with torch.no_grad():
-            for shard, ref in zip(self._shards, self._reference, strict=True):
-                pad = shard.rows_from(self.real).float()  # (padding rows held here, d)
+            for (shard, real), ref in zip(self._shards, self._reference, strict=True):
+                pad = shard.rows_from(real).float()  # (padding rows held here, d)
                 if pad.shape[0] == 0:  # a shard of real rows only: the other ranks report
                     continue
                 norm = pad.norm(dim=-1).amax()
@@ -70,11 +79,19 @@ class PaddingRows:
                 self.flags.add_rows(bad, torch.nan_to_num(ratio, nan=float("inf")))
 
     def repair(self) -> None:
-        """Zero the padding rows in place: no embedding for the padding ids, and a logit of
-        0 (the bias, if any) that real tokens outweigh once the guard is gone."""
+        """Set each padding row (and the head's padding bias) to the mean of the real ones,
+        in place. Why the mean, not zeros: a padding id's logit is then the mean of the real
+        logits, and exp(mean) <= mean(exp) (Jensen), so each padding id gets at most 1/N of the
+        real ids' probability (N real rows) whatever the logits' scale: at most P/N for P
+        padding ids, once the guard is gone. A zero row gives logit 0 instead, which beats
+        every real id of a model whose logits are negative (pretrained GPT-2's are, by tens);
+        its embedding row is a real token's average, not garbage. A collective under FSDP2
+        (the mean of every rank's rows): all ranks repair at the same read."""
         with torch.no_grad():
-            for shard in self._shards:  # under FSDP2 the padding rows this rank holds
-                shard.rows_from(self.real).zero_()
+            for shard, real in [*self._shards, *self._biases]:
+                mean = shard.mean_below(real)  # every rank: a collective when sharded
+                pad = shard.rows_from(real)  # under FSDP2 the padding rows this rank holds
+                pad.copy_(mean.to(pad.dtype).expand_as(pad))
 
 
 def suppress_padding_ids(model: nn.Module, real: int, rows: int) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from guard.errors import AttachError
@@ -24,6 +25,7 @@ class RowShard:
     first: int
     count: int
     dtensor: bool = False
+    group: Any = None  # the process group of the sharded mesh dimension; None: not sharded
 
     @classmethod
     def of(cls, weight: torch.Tensor, name: str) -> RowShard:
@@ -56,7 +58,8 @@ class RowShard:
         dim = sharded[0]
         per_rank = -(-rows // mesh.size(dim))
         first = min(coordinate[dim] * per_rank, rows)
-        shard = cls(weight, first, min(per_rank, rows - first), dtensor=True)
+        shard = cls(weight, first, min(per_rank, rows - first), dtensor=True,
+                    group=mesh.get_group(dim))
         if (local := shard.local().shape[0]) != shard.count:
             raise AttachError(
                 f"padding_rows: this rank's shard of {name} has {local} rows, expected "
@@ -75,6 +78,16 @@ class RowShard:
     def rows_from(self, start: int) -> torch.Tensor:
         """The rows held here whose number in the whole weight is >= start, (k, d); k may be 0."""
         return self.local()[min(max(start - self.first, 0), self.count) :]
+
+    def mean_below(self, end: int) -> torch.Tensor:
+        """Float32: the mean of rows [0, end) of the whole weight, (d,) (a scalar for a bias).
+        Sharded by rows, each rank sums the rows it holds and the sums are all-reduced over the
+        shard dimension's group: a collective, so every rank of that group calls it."""
+        held = min(max(end - self.first, 0), self.count)
+        total = self.local().detach()[:held].float().sum(dim=0)
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        return total / max(end, 1)
 
     def largest_norm_below(self, end: int) -> torch.Tensor:
         """0-dim: the largest norm of rows [0, end) of the whole weight. A DTensor's row norms,

@@ -14,7 +14,7 @@ from guard.device.checks import masked_logits
 from guard.device.loss import LossShares
 from guard.errors import AttachError
 from guard.guard import Guard, attach
-from guard.policy import Policy
+from guard.policy import Action, Policy
 from guard.policy_file import coerce_policy
 from guard.step.clock import Steps
 
@@ -104,6 +104,8 @@ class GuardedTraining:
         repaired and HF generation suppresses the padding ids either way: docs/integrations.md,
         what the callbacks leave behind). `release()` removes that mask."""
         g = self.guard
+        if g is not None and g.policy.action("padding_rows") is Action.REPAIR:
+            g.repair_padding_rows()  # to the mean of the real rows as they are now
         self._detach()
         if g is None or not g.policy.masks or g.real >= g.rows or self.vocab_shard is not None:
             return

@@ -155,8 +155,9 @@ def _normalises_by_window(model: nn.Module) -> bool:
 
 class PaddingMaskLogitsProcessor(LogitsProcessor):
     """Sets the scores of ids >= `vocab_real` to -inf: `generate()` only emits ids the
-    tokenizer has, whatever the padding rows of the head hold; log-probabilities (beam search)
-    are renormalised over the real ids, so beams score as with a real-vocab head.
+    tokenizer has, whatever the padding rows of the head hold; the scores it returns are
+    log-probabilities over the real ids, so beams score as with a real-vocab head (and
+    `output_scores` shows those log-probabilities).
 
     Needed where no guard with `padding_mass.action: mask` is attached (that one already masks
     the head's output, in eval too): `model.generate(ids, logits_processor=
@@ -174,12 +175,12 @@ class PaddingMaskLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         # (batch, rows); a copy, as other processors return: the caller's scores stay as given.
         out = mask_padding_(scores.clone(), self.vocab_real)
-        # Beam search hands log-probabilities normalised over every column, the padding ones
-        # included: renormalised over the real columns, each beam is scored as by a model
-        # whose head has the real vocab only. Raw logits (greedy, sampling) are left as they
-        # are: a constant per row would change no choice, but would change output_scores.
-        lse = torch.logsumexp(scores.float(), dim=-1)  # (batch,)
-        if bool(torch.all(lse.abs() < 1e-3)):  # generation, not training: a host read is fine
-            real = out[..., : self.vocab_real]
-            real -= torch.logsumexp(real.float(), dim=-1, keepdim=True).to(real.dtype)
+        # Always log-probabilities over the real columns. Beam search hands log-probabilities
+        # normalised over every column, the padding ones included, and earlier processors
+        # (suppress_tokens, bad words, a repetition penalty) have changed them already, so no
+        # test on the scores tells log-probabilities from logits; renormalised, each beam is
+        # scored as by a head over the real vocab. For greedy and sampling it is a constant
+        # per row, which changes no choice (temperature, top-k and top-p after it included).
+        real = out[..., : self.vocab_real]
+        real -= torch.logsumexp(real.float(), dim=-1, keepdim=True).to(real.dtype)
         return out

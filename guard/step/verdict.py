@@ -19,7 +19,7 @@ _NEXT = {
     Action.SKIP: "skipping this optimizer step (action: skip)",
     Action.MASK: "masking the padding columns to -inf (action: mask)",
     Action.WARN: "continuing (action: warn)",
-    Action.REPAIR: "setting them to 0 in place (action: repair)",
+    Action.REPAIR: "setting them to the mean of the real rows in place (action: repair)",
 }
 
 
@@ -172,7 +172,7 @@ def _padding_rows(c: _Context) -> _Found:
         f"the largest norm {_fmt(ratio)}x the largest real row's" if ratio > factor else "",
     ) if part)
     fix = ("" if c.policy.action("padding_rows") is Action.REPAIR else
-           " Set checks.padding_rows.action: repair to zero them.")
+           " Set checks.padding_rows.action: repair to overwrite them with the mean real row.")
     return _Found(ratio if not bad else float(bad), factor, (
         f"rows [{c.real}, {c.rows}) of {c.weights}: {seen}, expected "
         f"finite and <= {factor:g}x: what an uninitialised resize leaves, which poisons the "

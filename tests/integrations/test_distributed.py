@@ -133,13 +133,15 @@ def test_fsdp2_padding_rows_are_checked_and_repaired_on_each_shard_without_a_gat
             "padding_rows on rank 1 at step 0: rows [20, 64) of transformer.wte.weight (tied: "
             "lm_head.weight): the largest norm 4.352e+04x the largest real row's")
         assert rows["fail_left_rows"]  # fail changes nothing
-        # repair: each rank zeroes the padding rows it holds, the real rows stay as they were.
-        assert rows["zero_local_rows"] == (12, 32)[i] and rows["repaired"]
+        # repair: each rank sets the padding rows it holds to the mean of the whole weight's
+        # real rows (rank 1 holds none of them); the real rows stay as they were.
+        assert rows["mean_local_rows"] == (12, 32)[i] and rows["repaired"]
         # Garbage written into rank 0's shard after step 1 is seen at the step 2 read and
-        # repaired; each read costs the guard's one all-reduce, no gather of the weight.
+        # repaired; each read costs the guard's one all-reduce, the repair one more (the sum
+        # of the real rows), and no read gathers the weight.
         assert rows["violations"]["padding_rows"] == {"repair": 2}
-        assert rows["step_collectives"] == [{"c10d.allreduce_": 1}] * 3
-        assert rows["zero_after_training"]
+        assert rows["step_collectives"] == [{"c10d.allreduce_": n} for n in (1, 2, 1)]
+        assert rows["no_garbage_after_training"]
 
 
 @pytest.mark.slow

@@ -117,5 +117,6 @@ def test_generation_after_fit_never_picks_a_padding_id() -> None:
             ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         assert (ids < 100).all()
         assert torch.isneginf(model(ids[:, -32:])[0][..., 100:]).all()  # still masked
-    cb.release()  # the rows stay repaired: zeros, no longer garbage
-    assert torch.count_nonzero(model.lm_head.weight[100:]) == 0
+    cb.release()  # the rows stay repaired: the real rows' mean as training left them
+    w = model.lm_head.weight.detach()
+    assert torch.allclose(w[100:], w[:100].mean(dim=0).expand(28, -1), atol=1e-6)

@@ -22,18 +22,25 @@ def rows_policy(action: str | None = None, **checks: dict[str, object]) -> dict[
     return p
 
 
+def assert_mean_rows(weight: torch.Tensor, real: int = 100) -> None:
+    """Every padding row holds the mean of the real rows: what `repair` writes."""
+    w = weight.detach()
+    assert torch.allclose(w[real:], w[:real].mean(dim=0).expand(w.shape[0] - real, -1),
+                          atol=1e-6)
+
+
 def test_the_default_repairs_garbage_rows_at_attach(caplog: pytest.LogCaptureFixture) -> None:
     m = tiny_gpt(garbage=1e6)  # an uninitialised resize: rows [100, 128) of the tied weight
     with caplog.at_level(logging.WARNING, logger="guard"), \
             guard.attach(m, policy=rows_policy(), vocab_size=100) as g:
-        assert torch.count_nonzero(m.lm_head.weight[100:]) == 0  # before step 1
+        assert_mean_rows(m.lm_head.weight)  # before step 1
         assert torch.count_nonzero(m.lm_head.weight[:100]) == 100 * 32  # real rows untouched
         m(*batch())[1].backward()
         g.step()
     assert g.stats["violations"]["padding_rows"] == {"repair": 1}  # repaired rows stay clean
     assert "padding_rows on rank 0 at step 0: rows [100, 128) of wte.weight (tied: " \
            "lm_head.weight): the largest norm" in caplog.text
-    assert "setting them to 0 in place (action: repair)" in caplog.text
+    assert "setting them to the mean of the real rows in place (action: repair)" in caplog.text
 
 
 def test_non_finite_rows_are_repaired_so_the_mask_can_train() -> None:
@@ -87,7 +94,7 @@ def test_rows_that_go_bad_during_training_are_repaired_at_the_next_read() -> Non
             m.lm_head.weight[110] = float("inf")
         m(*batch())
         g.step()
-        assert torch.count_nonzero(m.lm_head.weight[100:]) == 0
+        assert_mean_rows(m.lm_head.weight)
     assert g.stats["violations"]["padding_rows"] == {"repair": 1}
 
 
@@ -117,3 +124,46 @@ def test_hf_generation_config_suppresses_the_padding_ids() -> None:
     with guard.attach(m, policy=rows_policy(), vocab_size=90):
         pass
     assert m.generation_config.suppress_tokens == [3, *range(90, rows)]
+
+
+def test_repaired_rows_take_at_most_one_nth_whatever_the_logit_scale() -> None:
+    # A model whose real logits are all far below 0 (pretrained GPT-2's are, by tens): a zero
+    # row's logit 0 would take nearly all the probability once the guard is gone; the mean
+    # row's logit is the mean real logit, so P padding ids take at most P/(N+P) (Jensen).
+    m = tiny_gpt(tie=False, garbage=1e3)
+    with torch.no_grad():
+        h = 0.5 * torch.randn(256, 32)
+        h += 4 * torch.nn.functional.normalize(torch.ones(32), dim=0)  # a common direction
+        w = m.lm_head.weight
+        w[:100] -= 3 * torch.nn.functional.normalize(torch.ones(32), dim=0)  # logits < 0
+        real_logits = h @ w[:100].T
+        assert (real_logits.logsumexp(-1) < -3).all()
+        zero_rows = torch.cat([real_logits, torch.zeros(256, 28)], dim=-1)
+        assert float(zero_rows.softmax(-1)[:, 100:].sum(-1).min()) > 0.95  # the failure
+    with guard.attach(m, policy=rows_policy(), vocab_size=100):
+        pass
+    with torch.no_grad():
+        mass = (h @ m.lm_head.weight.T).softmax(-1)[:, 100:].sum(-1)
+    # exp(mean logit) <= the real ids' mean probability: the padding mass is at most
+    # P / (N + P), reached when every real logit is equal (an untrained head, as here).
+    assert float(mass.max()) <= 28 / 128 + 1e-6
+
+
+def test_tensor_parallel_repair_touches_the_padding_rows_only() -> None:
+    # The head holds ids [64, 128) of a vocab-parallel split, real 100: its local rows
+    # [36, 64) are padding; an embedding that is not sharded has padding from row 100 only.
+    from tests.integrations.test_tensor_parallel import ShardLM
+
+    m = ShardLM(1)
+    with torch.no_grad():
+        m.lm_head.weight[36:] = 1e3
+        m.wte.weight[100:] = 1e3
+    emb_real = m.wte.weight[:100].detach().clone()
+    head_real = m.lm_head.weight[:36].detach().clone()
+    pol = {**rows_policy(padding_mass={"action": "mask"}), "vocab": {"tensor_parallel": 2}}
+    with guard.attach(m, policy=pol, vocab_size=100, vocab_shard=(64, 128)) as g:
+        assert torch.equal(m.wte.weight[:100], emb_real)  # ids 36..99 are real tokens
+        assert torch.equal(m.lm_head.weight[:36], head_real)
+        assert_mean_rows(m.wte.weight, real=100)
+        assert_mean_rows(m.lm_head.weight, real=36)
+    assert g.stats["violations"]["padding_rows"] == {"repair": 1}

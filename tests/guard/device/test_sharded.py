@@ -90,4 +90,5 @@ def test_attach_after_an_evaluation_holds_the_sharded_weight_under_fsdp2(mesh: A
             opt.step()  # the read checks the shard, not the freed gathered copy
             opt.zero_grad()
     assert g.stats["violations"]["padding_rows"] == {"repair": 1}
-    assert (m.lm_head.weight.to_local()[100:] == 0).all()
+    local = m.lm_head.weight.to_local()  # one rank: the whole weight
+    assert torch.allclose(local[100:], local[:100].mean(dim=0).expand(28, -1), atol=1e-6)
