@@ -13,13 +13,16 @@ batch in it) forever; `asyncio.wait_for` bounds the whole request and closes its
 from __future__ import annotations
 
 import asyncio
+import atexit
 import email.utils
+import functools
 import itertools
 import logging
 import os
 import threading
 import time
 import urllib.parse
+import weakref
 from collections import deque
 
 import httpx
@@ -126,6 +129,11 @@ class PushSink:
         self.sent = 0
         self._thread = threading.Thread(target=self._run, name="guard-push", daemon=True)
         self._thread.start()
+        # A `fail` that ends the script (GuardViolation uncaught, no detach) would kill the
+        # daemon thread with the halt report still queued: flush at exit, bounded in time.
+        # Weak, so an atexit entry never keeps a closed sink alive.
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     def emit(self, batch: ReportBatch) -> None:
         parts = [batch] if len(batch.reports) == 1 else [
@@ -136,13 +144,18 @@ class PushSink:
                     self._queue.popleft()
                     self.dropped += 1
                 self._queue.append(part)
-            if len(self._queue) >= self._batch_size or any(r.final for r in batch.reports):
+            # A final or halting report goes now: the process may end right after it.
+            if len(self._queue) >= self._batch_size or any(
+                    r.final or r.halted is not None for r in batch.reports):
                 self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush what is queued, for at most `timeout` seconds; then drop and count the rest,
         the batch in flight included."""
+        atexit.unregister(self._at_exit)
         with self._cond:
+            if self._closing:
+                return  # closed already (detach, then exit)
             self._closing = True
             self._deadline = time.monotonic() + timeout
             self._cond.notify()
@@ -232,6 +245,11 @@ class PushSink:
                           why, wait)
                 self._cond.wait(wait)
             delay = min(delay * 2, self._backoff_s[1])
+
+
+def _close_at_exit(ref: weakref.ref[PushSink]) -> None:
+    if (sink := ref()) is not None:
+        sink.close(timeout=2.0)
 
 
 def _rejected(where: str, count: int, r: httpx.Response) -> str:
