@@ -168,12 +168,16 @@ class CheckpointAudit:
         lines += [f"  rows          {name}: dtype not read; its padding rows are not checked"
                   for name in self.unread_rows]
         bad = [r for r in self.padding_rows if not r.ok]
-        text = "\n".join(lines) + "\n" + str(self.audit)
+        sizes = str(self.audit)
+        if bad:  # the sizes may be fine; the checkpoint is not
+            sizes = sizes.replace("  verdict: ok", "  verdict: NOT OK (sizes ok, padding rows not)")
+        text = "\n".join(lines) + "\n" + sizes
         if bad:
             text += ("\n  padding rows NOT OK: " + "; ".join(r.describe() for r in bad) +
-                     "\n  fix: set them to 0 (guard.attach's checks.padding_rows.action: repair "
-                     "does it in place) and save again; until then they take probability "
-                     "wherever the padding columns are not masked")
+                     "\n  fix: overwrite them with the mean real row (guard.attach's "
+                     "checks.padding_rows.action: repair does it in place) and save again; "
+                     "until then they take probability wherever the padding columns are not "
+                     "masked")
         return text
 
 

@@ -185,7 +185,8 @@ def test_garbage_padding_rows_are_a_violation(tmp_path: Path, padding: float,
     text = str(a)
     assert re.search(r"padding rows NOT OK: padding rows \[100, 128\) of "
                      r"transformer\.wte\.weight: " + seen, text), text
-    assert "fix: set them to 0" in text
+    assert "fix: overwrite them with the mean real row" in text
+    assert "verdict: NOT OK (sizes ok, padding rows not)" in text and "verdict: ok" not in text
     assert a.to_dict()["padding_rows"][0]["ok"] is False
 
 
