@@ -50,6 +50,23 @@ def test_no_host_read_in_device_code(path: Path) -> None:
     assert hits == []
 
 
+# Hook code that lives beside what it serves rather than in guard/device/: a pre-hook on
+# every training forward (which inputs to keep for localising a NaN), the clock's forward
+# hooks (a boundary's read happens in tick(), not here), and the mask the callbacks leave on
+# the head after training. (file under guard/, function)
+ELSEWHERE = [("step/episodes.py", "_keep"), ("step/clock.py", "_forward_start"),
+             ("step/clock.py", "_forward_end"), ("integrations/common.py", "mask")]
+
+
+@pytest.mark.parametrize(("file", "function"), ELSEWHERE, ids=lambda v: str(v))
+def test_no_host_read_in_hooks_outside_the_folder(file: str, function: str) -> None:
+    path = DEVICE.parent / file
+    names = {n.name for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, ast.FunctionDef)}
+    assert function in names  # the list follows the code
+    assert [(fn, line, call) for fn, line, call in host_reads(path) if fn == function] == []
+
+
 def test_the_check_finds_a_host_read(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def hook(t):\n    if float(t.sum()) > 0:\n        return t.max().item()\n")
