@@ -10,7 +10,6 @@ from types import CodeType
 from typing import Any
 
 import torch
-from torch import nn
 
 __all__ = ["compiling", "drop_compiled", "eager_at_top_level"]
 
@@ -51,25 +50,27 @@ def _skip_frame(code: CodeType) -> None:
     set_code_exec_strategy(code, skip)
 
 
-def drop_compiled(model: nn.Module) -> bool:
-    """Drop dynamo's compiled code when some of it came from `model`'s forwards; True if so.
+def drop_compiled() -> bool:
+    """Drop all of dynamo's compiled code when it holds any; True if it did.
 
     dynamo does not guard on the hooks of submodules (`skip_nnmodule_hook_guards`), so a graph
     traced before attach keeps running without the guard's hooks, and one traced while attached
-    keeps running them after detach. Dropping the caches costs one recompile at attach and one
-    at detach, never one per step. The whole cache goes: a graph break leaves continuation
-    frames with code objects of their own, which no module names.
+    keeps running them after detach. Any compiled code may run the model's forwards: a compiled
+    module's forward, a continuation frame after a graph break, a compiled step function that
+    inlined the model (no code of the model has a cache entry then). No compiled code names
+    the modules it inlined, so the whole cache goes: one recompile of each compiled function
+    at attach and at detach, never one per step.
     """
     if "torch._dynamo.eval_frame" not in sys.modules:
         return False  # nothing was ever compiled in this process
     try:
-        from torch._dynamo import reset_code_caches
+        from torch._dynamo import convert_frame, reset_code_caches
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     except ImportError:  # another torch: nothing known to drop
         return False
-    codes = {type(m).forward.__code__ for m in model.modules()
-             if hasattr(type(m).forward, "__code__")}
-    if not any(_debug_get_cache_entry_list(code) for code in codes):
+    # Every code object dynamo has compiled a frame of, weakly held: a dead one was dropped.
+    codes = (ref() for ref in list(convert_frame.input_codes.seen))
+    if not any(code is not None and _debug_get_cache_entry_list(code) for code in codes):
         return False
     reset_code_caches()
     return True

@@ -28,6 +28,7 @@ from typing import Literal, get_args
 import torch
 
 from guard.device.checks import nonfinite_count
+from guard.device.compile import compiling
 from guard.device.flags import Flags
 from guard.errors import AttachError
 from guard.policy import Policy
@@ -139,11 +140,17 @@ class StepLoss:
         `fallback`: a given loss that counts only when the model's forward gave none."""
         if fallback and self._value is not None and not self._given:
             return
-        if loss is self._src or (self._folded is not None and self._folded() is loss):
+        # Traced (a compiled function that calls the model), the loss is a new tensor of the
+        # graph, never one recorded or folded before: reading those there would make dynamo
+        # guard on them (a recompile at the next step or micro-batch) and wrap the earlier
+        # loss, still alive, as a graph input (a torch warning on its .grad).
+        if not compiling() and (loss is self._src or (
+                self._folded is not None and self._folded() is loss)):
             return
         value = loss.detach()
-        if self._value is not None and self.sum_shares and not (given or self._given):
-            # Shares of one step's loss: a non-finite share makes the sum non-finite.
+        if self._value is not None and self.sum_shares and given == self._given:
+            # Shares of one step's loss, all from the forward or all given (a loss function
+            # outside the model): a non-finite share makes the sum non-finite.
             self._src, self._value = loss, self._value + value
             return
         # Only g.step(loss) right after the forward replaces (e.g. rescales) its output loss.

@@ -120,11 +120,14 @@ def _token_range(c: _Context) -> _Found:
                    "checks.token_range.ignore_index to their value (nanoGPT ignores -1: "
                    "ignore_index: -1)")
     if c.real <= (top := c.glob.max_id) < c.rows:
-        why.append(f"ids in [{c.real}, {c.rows}) (highest {top}) are ghost tokens the tokenizer "
-                   f"cannot produce, unless the real vocab is larger than {c.real}: special "
-                   "tokens can sit above a configured vocab size (Llama-3 reserves 256 ids above "
-                   "128000 that config.vocab_size leaves out); then pass tokenizer= or set "
-                   "vocab.real_size")
+        # Just above real, these are often special tokens the size given leaves out, not bad
+        # data: the message leads with the fix for that case.
+        why.append(f"ids in [{c.real}, {c.rows}) (highest {top}) are beyond the real vocab you "
+                   f"gave ({c.real}): if your tokenizer has more ids (special tokens can sit "
+                   "above a configured vocab size: Llama-3 reserves 256 ids above 128000 that "
+                   "config.vocab_size leaves out, and litgpt's vocab_size alike), pass "
+                   "tokenizer= or set vocab.real_size to its size; otherwise they are ghost "
+                   "ids the tokenizer cannot produce")
     elif top >= c.rows:
         why.append(f"ids >= {c.rows} (highest {top}) have no row at all")
     return _Found(total, 0.0, (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -209,7 +209,7 @@ def test_inductor_measures_and_masks_like_eager() -> None:
 # -- compiled before attach: the graph traced without the hooks must not go on running --------
 
 
-def nanogpt_steps(fwd: nn.Module, opt: torch.optim.Optimizer, steps: int,
+def nanogpt_steps(fwd: Callable[..., Any], opt: torch.optim.Optimizer, steps: int,
                   after_each: Any = None) -> list[float]:
     losses = []
     for i in range(steps):
@@ -257,6 +257,40 @@ def test_nanogpt_compiled_and_warmed_up_before_attach_is_guarded(how: str) -> No
     m.eval()
     with torch.no_grad():
         logits, _ = fwd(*batch(seed=1))
+    assert torch.isfinite(logits[..., REAL:]).all()
+
+
+def test_compiled_step_function_traced_before_attach_is_retraced_with_the_hooks() -> None:
+    """A function that calls the model, compiled and warmed up before attach: its graph
+    inlined the model's forwards, so no code of the model has a cache entry to drop."""
+    from tests.integrations.nanogpt import REAL, nanogpt
+
+    m = nanogpt()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    @torch.compile(backend="aot_eager")
+    def fwd(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return m(x, y)
+
+    fwd(*batch(seed=9))[1].backward()  # the warm-up: traced without the guard's hooks
+    opt.zero_grad()
+    stop = policy(padding_mass={"action": "fail"})
+    with pytest.raises(guard.GuardViolation, match=r"padding_mass on rank 0 at step 1: .* "
+                       r"stopping \(action: fail\)"), \
+            guard.attach(m, policy=stop, vocab_size=REAL, optimizer=opt):
+        nanogpt_steps(fwd, opt, 3)
+
+    before, seen = frames(), []
+    mask = policy(padding_mass={"action": "mask"})
+    with guard.attach(m, policy=mask, vocab_size=REAL, optimizer=opt) as g:
+        nanogpt_steps(fwd, opt, 3, after_each=lambda: seen.append(frames()))
+    assert g.stats["loss"] is not None and g.stats["padding_mass"] > 0.05
+    assert g.stats["violations"] == {"padding_mass": {"mask": 3}}
+    # One recompile after the detach of the failed guard, none per step (the step's loss kept
+    # alive into the next forward, as nanogpt_steps does, is no graph input).
+    assert seen == [before + 1] * 3
+    assert breaks() == 0
+    logits, _ = fwd(*batch(seed=1))  # detached: retraced without the hooks, unmasked again
     assert torch.isfinite(logits[..., REAL:]).all()
 
 

@@ -219,7 +219,8 @@ def test_lightning_writes_the_guard_figures_to_tensorboard(tmp_path: Path) -> No
 def test_hf_callback_called_outside_a_trainers_handler_says_where_figures_go(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """No CallbackHandler up the stack (a wrapper that calls the callback itself): the figures
-    cannot be put ahead of the reporters, and the warning gives the ordering that works."""
+    cannot be put ahead of the reporters, and the warning gives the ordering that works; no
+    Trainer either, so a compute_loss_func's loss cannot be fed to the guard: said too."""
     tok = word_tokenizer()
     model = gpt2(len(tok))
     cb = GuardCallback(policy=WARN)
@@ -229,3 +230,5 @@ def test_hf_callback_called_outside_a_trainers_handler_says_where_figures_go(
                       processing_class=tok, optimizer=opt)
     cb.on_train_end(args, TrainerState(), TrainerControl())
     assert "callbacks=[GuardCallback(...), TensorBoardCallback()]" in caplog.text
+    assert "could not find the Trainer, so the loss of a compute_loss_func goes unseen" in \
+        caplog.text

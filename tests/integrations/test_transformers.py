@@ -214,30 +214,72 @@ def test_label_smoothing_over_padding_columns_is_refused_at_train_begin(tmp_path
     assert t.state.global_step == 0 and hook_count(model) == 0
 
 
-def test_compute_loss_func_is_reported_blind_at_step_one(tmp_path: Path,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def smoothed_loss(columns: int | None) -> Any:
+    """A compute_loss_func smoothing over the first `columns` columns (None: all of them)."""
+    import torch.nn.functional as F
+
+    def loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> Any:
+        logits = outputs.logits[:, :-1, :columns]
+        return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(),
+                               label_smoothing=0.1)
+
+    return loss_func
+
+
+def test_compute_loss_func_infinite_loss_stops_train_at_step_one(tmp_path: Path) -> None:
+    """Smoothed over all columns, the masked padding makes the loss +inf (the Trainer would
+    log 0.0): the guard sees the loss the Trainer backpropagates, and fail stops."""
+    tok = word_tokenizer()
+    model = gpt2(len(tok))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = GuardCallback(policy=policy(nonfinite={"action": "fail"}))
+    t = trainer(model, tok, examples(tok), cb, tmp_path)
+    t.compute_loss_func = smoothed_loss(None)
+    with pytest.raises(GuardViolation, match=r"nonfinite on rank 0 at step 1: NaN/Inf values: "
+                       r"1 in the loss; expected none; stopping \(action: fail\)") as e:
+        t.train()
+    assert (e.value.check, e.value.step) == ("nonfinite", 1) and t.state.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert cb.guard is not None and cb.guard.stats["loss"] == float("inf")
+
+
+def test_compute_loss_func_loss_is_the_guards_and_the_original_is_back_after_train(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    import torch.nn.functional as F
+    from transformers import TrainerCallback
 
     tok = word_tokenizer()
     real = len(tok)
     model = gpt2(real)
-
-    def loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> Any:
-        logits = outputs.logits[:, :-1, :real]  # the user's own loss, over the real vocab
-        return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
-
+    loss_func = smoothed_loss(real)  # the user's own loss, over the real vocab
     cb = GuardCallback(policy=policy(loss_spike={"action": "warn"}))
-    t = trainer(model, tok, examples(tok), cb, tmp_path)
-    t.compute_loss_func = loss_func
+    seen: list[tuple[float, float | None]] = []
+
+    class Losses(TrainerCallback):  # the Trainer's logged loss and the guard's, per step
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
+                   **kwargs: Any) -> None:
+            if logs and "loss" in logs and cb.guard is not None:
+                seen.append((logs["loss"], cb.guard.stats["loss"]))
+
+    data = examples(tok)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=3,
+                             per_device_train_batch_size=4, save_strategy="no", logging_steps=1,
+                             learning_rate=1e-3, disable_tqdm=True, seed=0,
+                             gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=1)
+    t = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
+                processing_class=tok, callbacks=[cb, Losses()], compute_loss_func=loss_func)
     with caplog.at_level(logging.WARNING, logger="guard"):
         t.train()
+    # The step's loss is the sum of its micro-batches', as the Trainer logs it; evaluation's
+    # losses (after every step here) are no training step's.
+    logged, guarded = zip(*seen, strict=True)
+    assert len(seen) == 3 and guarded == pytest.approx(logged, rel=1e-3)
     blind = [r.message for r in caplog.records if r.message.startswith("coverage")]
     assert len(blind) == 1 and "at step 1" in blind[0]  # said once, at the first step
-    assert "token_range saw no labels" in blind[0]
-    assert "nonfinite and loss_spike saw no loss" in blind[0]
+    assert "token_range saw no labels" in blind[0] and "saw no loss" not in blind[0]
     assert cb.guard is not None and cb.guard.stats["violations"]["coverage"] == {"warn": 3}
+    assert t.compute_loss_func is loss_func  # the original back after train()
 
 
 def test_beam_search_with_the_processor_equals_the_real_vocab_model() -> None:

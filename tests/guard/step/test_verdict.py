@@ -117,9 +117,19 @@ def test_negative_labels_name_the_ignore_index_setting() -> None:
 def test_ids_just_above_real_may_be_special_tokens() -> None:
     r = reading({"token_range": 0}, out_of_range={"input": 2, "label": 0}, max_id=101)
     (tr,) = verdict(r).violations
-    assert "ids in [100, 128) (highest 101) are ghost tokens the tokenizer cannot produce, " \
-           "unless the real vocab is larger than 100" in tr.message
-    assert "pass tokenizer= or set vocab.real_size" in tr.message
+    # The likely cause first: a real vocab larger than the one given, and how to pass it.
+    assert "ids in [100, 128) (highest 101) are beyond the real vocab you gave (100): if your " \
+           "tokenizer has more ids (special tokens" in tr.message
+    assert "pass tokenizer= or set vocab.real_size to its size; otherwise they are ghost ids " \
+           "the tokenizer cannot produce" in tr.message
+    assert tr.message.index("pass tokenizer=") < tr.message.index("ghost ids")
+
+
+def test_ids_without_a_row_are_out_of_range_not_special_tokens() -> None:
+    r = reading({"token_range": 0}, out_of_range={"input": 1, "label": 0}, max_id=130)
+    (tr,) = verdict(r).violations
+    assert "ids >= 128 (highest 130) have no row at all" in tr.message
+    assert "beyond the real vocab" not in tr.message and "tokenizer=" not in tr.message
 
 
 def test_coverage_names_what_was_not_seen_and_only_for_checks_that_are_on() -> None:
