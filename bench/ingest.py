@@ -1,12 +1,14 @@
 """Ingest benchmark: simulated ranks push to one guard server on loopback.
 
 Measures step reports ingested per second, request latency (p50/p99), and the time of one
-/metrics scrape holding 1024 and 16384 ranks. The server runs in its own process
+/metrics scrape holding 1024 and 16384 typical ranks, and as many of the costliest ranks as
+the default caps admit (56 series each). The server runs in its own process
 (`python -m guard_server`, one uvicorn worker); the ranks are asyncio tasks in this process,
 each with its own httpx client and keep-alive connection, as real ranks have.
 
     .venv/bin/python bench/ingest.py                           # print the results
     .venv/bin/python bench/ingest.py --write docs/benchmarks.md  # and update that section
+    .venv/bin/python bench/ingest.py --seconds 1 --scrape-ranks 64 --worst-series 2000  # smoke
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from pathlib import Path
 
 import httpx
 
+from guard_server.settings import Settings
 from guard_server.testing import free_port
+from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
 
 HEADING = "## Ingest (bench/ingest.py)"
 BODIES_PER_RANK = 8  # cycled; later cycles repeat old steps, which the store ingests as well
@@ -110,14 +114,30 @@ def _bodies(run_id: str, rank: int, batch: int, count: int) -> list[bytes]:
     return bodies
 
 
+def _worst_body(n: int) -> bytes:
+    # The rank a scrape costs most: every check with every action, a halt, every optional
+    # value, a 128-character run_id and counts at 2**53 (the longest sample values).
+    report = _report(MAX_COUNT, False) | {
+        "violations": {check: dict.fromkeys(ACTIONS, MAX_COUNT) for check in CHECKS},
+        "halted": "nonfinite",
+        "skipped_steps": MAX_COUNT,
+        "dropped_reports": MAX_COUNT,
+        "nonfinite": dict.fromkeys(("logits", "hidden", "loss"), MAX_COUNT),
+    }
+    run_id = f"worst-{n // 4096:03d}".ljust(128, "x")
+    return json.dumps({"run_id": run_id, "rank": n % 4096, "reports": [report]}).encode()
+
+
 @contextlib.contextmanager
-def server() -> Iterator[str]:
-    """A fresh `python -m guard_server` on a free loopback port; killed on exit."""
+def server(**settings: str) -> Iterator[str]:
+    """A fresh `python -m guard_server` on a free loopback port, with `settings` as
+    GUARD_SERVER_* variables on top of the benchmark's; killed on exit."""
     port = free_port()
     # The saturating scenarios push ~3000 steps a second per rank, more than any model trains
     # and more than the server's step-rate bound allows; the bound is lifted for them.
     env = os.environ | {"GUARD_SERVER_LOG_LEVEL": "warning", "GUARD_SERVER_MAX_STEP_RATE": "1e9",
                         "GUARD_SERVER_MAX_RANKS": "65536"}
+    env |= {f"GUARD_SERVER_{name.upper()}": value for name, value in settings.items()}
     env.pop("GUARD_TOKEN", None)
     cmd = [sys.executable, "-m", "guard_server", "--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(cmd, env=env)
@@ -179,32 +199,50 @@ async def _push(scenario: Scenario, url: str, seconds: float, warmup_s: float) -
 
 
 def scrape_times(url: str, ranks: int, repeats: int) -> dict[str, float]:
-    """Load `ranks` ranks (4096 a run, the default per-run cap), then time GET /metrics
-    (median ms) per format."""
+    """Load `ranks` typical ranks (4096 a run, the default per-run cap), then time GET
+    /metrics (median ms) per format."""
     json_body = {"Content-Type": "application/json"}
     with httpx.Client(base_url=url, timeout=60) as client:
         for r in range(ranks):
             body = _bodies(f"scrape-{r // 4096}", r % 4096, 1, 1)[0]
             assert client.post("/v1/reports", content=body, headers=json_body).status_code == 202
-        formats = {
-            "text (0.0.4)": {},
-            "OpenMetrics (Prometheus' default Accept)": {
-                "Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
-            },
-        }
-        medians = {}
-        for name, headers in formats.items():
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                reply = client.get("/metrics", headers=headers)
-                times.append(time.perf_counter() - t)
-                assert reply.status_code == 200
-            series = sum(1 for line in reply.text.splitlines() if line.startswith("guard_"))
-            medians[name] = statistics.median(times) * 1000
-            medians[f"{name} series"] = series
-            medians[f"{name} bytes"] = len(reply.content)
-        return medians
+        return _time_scrapes(client, repeats)
+
+
+def worst_scrape_times(url: str, repeats: int) -> tuple[int, dict[str, float]]:
+    """Load the costliest ranks until the server's caps refuse one (429), then time GET
+    /metrics as `scrape_times` does; return the ranks held and the times."""
+    json_body = {"Content-Type": "application/json"}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        ranks = 0
+        while (status := client.post("/v1/reports", content=_worst_body(ranks),
+                                     headers=json_body).status_code) == 202:
+            ranks += 1
+        assert status == 429, status
+        return ranks, _time_scrapes(client, repeats)
+
+
+def _time_scrapes(client: httpx.Client, repeats: int) -> dict[str, float]:
+    """Median ms of GET /metrics per format, with the series and bytes of the last reply."""
+    formats = {
+        "text (0.0.4)": {},
+        "OpenMetrics (Prometheus' default Accept)": {
+            "Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
+        },
+    }
+    medians = {}
+    for name, headers in formats.items():
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            reply = client.get("/metrics", headers=headers)
+            times.append(time.perf_counter() - t)
+            assert reply.status_code == 200
+        series = sum(1 for line in reply.text.splitlines() if line.startswith("guard_"))
+        medians[name] = statistics.median(times) * 1000
+        medians[f"{name} series"] = series
+        medians[f"{name} bytes"] = len(reply.content)
+    return medians
 
 
 def machine() -> str:
@@ -221,7 +259,7 @@ def machine() -> str:
 
 def render(
     results: list[Result],
-    scrapes: dict[int, dict[str, float]],
+    scrapes: dict[str, dict[str, float]],
     command: str,
     load: tuple[float, float],
 ) -> str:
@@ -245,8 +283,10 @@ def render(
         "",
         "Scrape of `/metrics` (median of the repeats, wall time at the client; runs of at "
         "most 4096 ranks, the default per-run cap). Prometheus' default `scrape_timeout` is "
-        "10 s; the server's default caps (GUARD_SERVER_MAX_RANKS 16384) keep a full scrape "
-        "inside it:",
+        "10 s; the server's default caps (GUARD_SERVER_MAX_RANKS 16384, GUARD_SERVER_MAX_SERIES "
+        "393216) keep a full scrape inside it, typical ranks (~16 series each) or the costliest "
+        "(\"worst case\": 56 series each, every check with every action, a halt, 128-character "
+        "run_ids, counts at 2**53; as many as the caps admit):",
         "",
         "| ranks | format | series | bytes | median ms |",
         "|---|---|---|---|---|",
@@ -284,6 +324,9 @@ def main() -> None:
     parser.add_argument("--scrape-ranks", default="1024,16384",
                         help="comma-separated rank counts, one scrape measurement each")
     parser.add_argument("--scrape-repeats", type=int, default=5)
+    parser.add_argument("--worst-series", type=int,
+                        help="GUARD_SERVER_MAX_SERIES for the worst-case scrape (default: the "
+                        "server's own; smaller for a quick run)"),
     parser.add_argument("--write", type=Path, help="update this markdown file's Ingest section")
     args = parser.parse_args()
     scenarios = [
@@ -301,8 +344,16 @@ def main() -> None:
     scrapes = {}
     for ranks in map(int, args.scrape_ranks.split(",")):
         with server() as url:
-            scrapes[ranks] = scrape_times(url, ranks, args.scrape_repeats)
-        print(ranks, {k: round(v) for k, v in scrapes[ranks].items()}, flush=True)
+            scrapes[str(ranks)] = scrape_times(url, ranks, args.scrape_repeats)
+        print(ranks, {k: round(v) for k, v in scrapes[str(ranks)].items()}, flush=True)
+    # The worst case under the server's own caps: MAX_RANKS back at its default.
+    caps = {"max_ranks": str(Settings.model_fields["max_ranks"].default)}
+    if args.worst_series is not None:
+        caps["max_series"] = str(args.worst_series)
+    with server(**caps) as url:
+        held, times = worst_scrape_times(url, args.scrape_repeats)
+    scrapes[f"{held} worst case"] = times
+    print(held, "worst case", {k: round(v) for k, v in times.items()}, flush=True)
     command = shlex.join([".venv/bin/python", "bench/ingest.py", *sys.argv[1:]])
     load = (load_before, os.getloadavg()[0])
     section = render(results, scrapes, command, load)

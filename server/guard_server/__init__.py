@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from guard_server.embedded import EmbeddedServer
     from guard_server.errors import (
         BodyTooLargeError,
+        BusyError,
         CapacityError,
         PortInUseError,
         SettingsError,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BodyTooLargeError",
+    "BusyError",
     "CapacityError",
     "EmbeddedServer",
     "PortInUseError",
@@ -42,6 +44,7 @@ __all__ = [
 # Exported name -> the submodule that defines it.
 _SOURCES = {
     "BodyTooLargeError": "errors",
+    "BusyError": "errors",
     "CapacityError": "errors",
     "EmbeddedServer": "embedded",
     "PortInUseError": "errors",

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from guard_server.auth import ReadAuth
 from guard_server.collector import new_registry
+from guard_server.limits import TURN_WAIT_S, BodySlots
 from guard_server.routes import ROUTERS, ingest_router
 from guard_server.settings import Settings
 from guard_server.store import Store
@@ -44,6 +45,9 @@ def create_app(
     app.state.settings = settings
     app.state.store = store
     app.state.registry = new_registry(store)  # per app: two apps in one process never clash
+    # A turn is waited for within the read timeout, so a waiting body is a 429, never a 408.
+    wait_s = min(TURN_WAIT_S, settings.read_timeout_s / 2)
+    app.state.body_slots = BodySlots(settings.max_inflight_bodies, wait_s)
     app.state.ready = False
     for router in ROUTERS:
         if ingest or router is not ingest_router:

@@ -5,7 +5,9 @@ uvicorn bounds neither: a connection that never sends a byte stays open forever 
 keep-alive timer starts only after a first response), and every stalled client holds a file
 descriptor until the process runs out (then accept() fails in a loop, one traceback each).
 Here a connection past the cap is closed at once, and one that has not sent a complete
-request head within the read timeout is closed; a slow body is the route's own timeout.
+request head within the read timeout is closed; a slow body is the route's own timeout. A
+body is read only once the route asks for it, and what uvicorn buffered of a body the route
+never read goes once the response is sent.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ log = logging.getLogger("guard_server")
 
 # Warn about refused or timed-out connections at most this often (an attack makes thousands).
 _WARN_EVERY_S = 60.0
+# Bytes read from a connection at a time (asyncio's default is 256 KiB).
+_READ_BYTES = 64 << 10
 
 
 class _Tally:
@@ -59,6 +63,10 @@ def guarded_protocol(max_connections: int, read_timeout_s: float) -> type[H11Pro
                 tally.add("over the connection limit", limits)
                 transport.abort()  # no response: reading a request would cost what we save
                 return
+            if hasattr(transport, "max_size"):
+                # asyncio reads up to 256 KiB a recv, and a request head may come with that
+                # much of its body before the route has looked at it.
+                transport.max_size = _READ_BYTES
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -66,11 +74,21 @@ def guarded_protocol(max_connections: int, read_timeout_s: float) -> type[H11Pro
             super().connection_lost(exc)
 
         def handle_events(self) -> None:
+            before = self.cycle
             super().handle_events()
             if self.cycle is not None and not self.cycle.response_complete:
                 self._disarm()  # the head has arrived; the body has the route's timeout
+                if self.cycle is not before and self.cycle.more_body:
+                    # A request whose body is still to come: read no more of it until the
+                    # route asks for it (uvicorn's receive() resumes), so a body the route
+                    # refuses, or makes wait for its turn, is not buffered here meanwhile.
+                    self.flow.pause_reading()
 
         def on_response_complete(self) -> None:
+            if self.cycle is not None:
+                # The part of a body nobody read (a refused request) would otherwise stay with
+                # the connection until its next request or its close: up to ~128 KiB each.
+                self.cycle.body.clear()
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm()  # waiting for the next request on a kept-alive connection

@@ -1,7 +1,7 @@
 """What the routes read from the app, as typed dependencies.
 
-`create_app` puts the settings, the store, the registry and the ready flag on `app.state`;
-only this module reads them back, and a route asks for them by type:
+`create_app` puts the settings, the store, the registry, the body slots and the ready flag on
+`app.state`; only this module reads them back, and a route asks for them by type:
 
     def list_runs(store: StoreDep) -> RunList: ...
 """
@@ -14,10 +14,11 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from prometheus_client.registry import CollectorRegistry
 
+from guard_server.limits import BodySlots
 from guard_server.settings import Settings
 from guard_server.store import Store
 
-__all__ = ["ReadyDep", "RegistryDep", "SettingsDep", "StoreDep"]
+__all__ = ["BodySlotsDep", "ReadyDep", "RegistryDep", "SettingsDep", "StoreDep"]
 
 
 def _state(name: str) -> Callable[[Request], Awaitable[Any]]:
@@ -32,4 +33,5 @@ def _state(name: str) -> Callable[[Request], Awaitable[Any]]:
 SettingsDep = Annotated[Settings, Depends(_state("settings"))]
 StoreDep = Annotated[Store, Depends(_state("store"))]
 RegistryDep = Annotated[CollectorRegistry, Depends(_state("registry"))]
+BodySlotsDep = Annotated[BodySlots, Depends(_state("body_slots"))]
 ReadyDep = Annotated[bool, Depends(_state("ready"))]

@@ -4,8 +4,9 @@ Each error subclasses the builtin it refines and keeps its data as attributes::
 
     SettingsError(ValueError)         a GUARD_SERVER_* variable (or argument) is invalid
     BodyTooLargeError(ValueError)     a report body is over GUARD_SERVER_MAX_BODY_BYTES (413)
-    CapacityError(RuntimeError)       a batch would pass the caps on runs or ranks, or the
-                                      byte budget (429)
+    BusyError(RuntimeError)           too many bodies are being read at once (429)
+    CapacityError(RuntimeError)       a batch would pass the caps on runs, ranks or series,
+                                      or the byte budget (429)
     StepJumpError(ValueError)         a report's step runs further ahead than time allows (409)
     PortInUseError(OSError)           the embedded endpoint's port is taken
 """
@@ -16,6 +17,7 @@ import errno
 
 __all__ = [
     "BodyTooLargeError",
+    "BusyError",
     "CapacityError",
     "PortInUseError",
     "SettingsError",
@@ -44,6 +46,20 @@ class BodyTooLargeError(ValueError):
         )
 
 
+class BusyError(RuntimeError):
+    """GUARD_SERVER_MAX_INFLIGHT_BODIES bodies are being read and as many wait their turn; this
+    one was refused before a byte of it was read."""
+
+    def __init__(self, limit: int, waited_s: float) -> None:
+        self.limit = limit
+        self.waited_s = waited_s  # 0 when the queue was full on arrival
+        super().__init__(
+            f"the server is reading {limit} request bodies already "
+            f"(GUARD_SERVER_MAX_INFLIGHT_BODIES) and more wait their turn; nothing was stored. "
+            "Retry in a few seconds."
+        )
+
+
 class CapacityError(RuntimeError):
     """A batch would add a run or a rank beyond the server's caps, or bytes beyond its budget;
     nothing was stored."""
@@ -52,7 +68,7 @@ class CapacityError(RuntimeError):
         self.run_id = run_id
         self.rank = rank
         self.limit = limit
-        self.scope = scope  # "runs", "ranks" (per run), "ranks_total" or "bytes"
+        self.scope = scope  # "runs", "ranks" (per run), "ranks_total", "series" or "bytes"
         what, setting = _CAPS[scope]
         held = what.format(run_id=run_id, limit=limit)
         super().__init__(
@@ -67,13 +83,15 @@ _CAPS = {
     "runs": ("{limit} runs", "MAX_RUNS"),
     "ranks": ("{limit} ranks in run {run_id!r}", "MAX_RANKS_PER_RUN"),
     "ranks_total": ("{limit} ranks over all runs", "MAX_RANKS"),
+    "series": ("close to {limit} series for /metrics", "MAX_SERIES"),
     "bytes": ("state close to its budget of {limit} bytes", "MAX_BYTES"),
 }
 
 
 class StepJumpError(ValueError):
-    """A report's step is further ahead of the rank's last step than the time since can
-    justify (GUARD_SERVER_MAX_STEP_RATE); one forged step would otherwise freeze the rank."""
+    """A report's step is further ahead of the rank's last step than its step allowance
+    (GUARD_SERVER_STEP_BURST, refilled at GUARD_SERVER_MAX_STEP_RATE) lets it move; one forged
+    step would otherwise freeze the rank."""
 
     def __init__(self, run_id: str, rank: int, index: int, step: int, bound: int) -> None:
         self.run_id = run_id
@@ -83,8 +101,8 @@ class StepJumpError(ValueError):
         self.bound = bound
         super().__init__(
             f"step {step} of run {run_id!r} rank {rank} is past {bound}, the furthest this "
-            "rank can have reached since its last report (GUARD_SERVER_MAX_STEP_RATE steps a "
-            "second plus GUARD_SERVER_STEP_BURST); nothing was stored"
+            "rank's step may move now (GUARD_SERVER_STEP_BURST steps at once, refilled at "
+            "GUARD_SERVER_MAX_STEP_RATE steps a second); nothing was stored"
         )
 
 

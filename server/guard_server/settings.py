@@ -17,13 +17,18 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from guard_server.errors import SettingsError
+from guard_server.series import MAX_SERIES_PER_RANK
 from guard_server.wire import MAX_EVENTS
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "GUARD_SERVER_"
-# Bodies' worth of MAX_BYTES kept back from the state for requests being read and parsed.
-_RESERVE_BODIES = 4
+# What uvicorn holds of one body beyond what the route has taken: up to its 64 KiB high-water
+# mark, where it stops reading, plus one read (64 KiB, guard_server.connections).
+_CHUNK_BYTES = (64 + 64) << 10
+# The event loop parses one body at a time: the body, and its parsed batch at up to ~11x its
+# JSON (1 MiB of short events is 10,000 Event models, 11 MiB; tests/server/test_settings.py).
+_PARSED_PER_BODY = 12
 # The push sink reads the same variable, so one GUARD_TOKEN configures both ends.
 _TOKEN_VARS = ("GUARD_SERVER_TOKEN", "GUARD_TOKEN")
 
@@ -36,21 +41,31 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=9400, ge=0, le=65535)  # 0 binds any free port (tests)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # 1 MiB holds ~1000 step reports
-    # Caps: a scrape of 16,384 ranks (~262k series) takes ~4 s on 2 cores (docs/benchmarks.md),
-    # inside Prometheus' default 10 s scrape_timeout.
+    # Caps: a scrape of 16,384 typical ranks (~262k series) takes ~2.3 s on 2 cores
+    # (docs/benchmarks.md), inside Prometheus' default 10 s scrape_timeout.
     max_runs: int = Field(default=64, ge=1)
     max_ranks_per_run: int = Field(default=4096, ge=1)
     max_ranks: int = Field(default=16384, ge=1)
+    # Series on /metrics: a scrape's cost grows with them, not with ranks, and a rank has 16
+    # (typical) to 56 (every check with every action). 16,384 ranks x 24 leaves every typical
+    # rank the caps allow 8 to spare; at the worst (56 a rank, 128-character run_ids) it is
+    # 7,021 ranks, a ~4 s scrape on 2 cores (bench/ingest.py), under the 10 s scrape_timeout.
+    max_series: int = Field(default=16384 * 24, ge=MAX_SERIES_PER_RANK)
     # The memory the server may grow by: the state (reports and events, estimated in bytes;
     # a typical rank holds ~5 KiB, one at every wire limit ~0.55 MiB) plus a reserve for the
-    # requests being read and parsed (`state_bytes`).
+    # requests in flight (`inflight_bytes`).
     max_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    # Bodies read at once; as many more wait for a turn (a second at most), the rest get 429
+    # at once. A push of a few KiB arrives with its head and holds a turn for microseconds; the
+    # limit is what bounds a flood of slow 1 MiB bodies (each held until it is whole).
+    max_inflight_bodies: int = Field(default=8, ge=1)
     rank_ttl_s: float = Field(default=900.0, gt=0, allow_inf_nan=False)  # 15 min of silence
     finished_ttl_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)  # a few scrapes
     events_per_rank: int = Field(default=MAX_EVENTS, ge=0, le=MAX_EVENTS)  # one report's worth
-    # How far a rank's step may move ahead between two reports: STEP_BURST steps plus
-    # MAX_STEP_RATE a second (no language model trains 1000 optimizer steps a second), so a
-    # forged step 2**53 is a 422, not a rank frozen until its real step catches up.
+    # How fast a rank's step may move ahead: a token bucket of STEP_BURST steps, refilled at
+    # MAX_STEP_RATE a second (no language model trains 1000 optimizer steps a second), so over
+    # any t seconds the step moves at most STEP_BURST + MAX_STEP_RATE * t however many reports
+    # carry it, and a forged step 2**53 is a 409, not a rank frozen until its step catches up.
     max_step_rate: float | None = Field(default=1000.0, gt=0, allow_inf_nan=False)
     step_burst: int = Field(default=10_000, ge=0)
     # Connections: beyond the limit new ones are closed at once; a request must arrive
@@ -102,18 +117,28 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def inflight_bytes(self) -> int:
+        """The most requests in flight hold: each body being read (up to MAX_BODY_BYTES and
+        the chunk that passes it), what uvicorn buffers of each body waiting for its turn, and
+        the one body being parsed with its parsed batch."""
+        reading = self.max_inflight_bodies * (self.max_body_bytes + _CHUNK_BYTES)
+        waiting = self.max_inflight_bodies * _CHUNK_BYTES
+        return reading + waiting + _PARSED_PER_BODY * self.max_body_bytes
+
+    @property
     def state_bytes(self) -> int:
         """The part of MAX_BYTES the stored state may use: the rest is kept for requests in
-        flight (a body and its parsed copy, a few at a time)."""
-        return self.max_bytes - _RESERVE_BODIES * self.max_body_bytes
+        flight (`inflight_bytes`)."""
+        return self.max_bytes - self.inflight_bytes
 
     @model_validator(mode="after")
     def _room_for_state(self) -> Settings:
         if self.state_bytes < self.max_body_bytes:
-            need = (_RESERVE_BODIES + 1) * self.max_body_bytes
+            need = self.inflight_bytes + self.max_body_bytes
             raise ValueError(
                 f"max_bytes: at least {need} bytes with GUARD_SERVER_MAX_BODY_BYTES="
-                f"{self.max_body_bytes} ({_RESERVE_BODIES} bodies in flight, and one rank's state)"
+                f"{self.max_body_bytes} and GUARD_SERVER_MAX_INFLIGHT_BODIES="
+                f"{self.max_inflight_bodies} (the requests in flight, and one rank's state)"
             )
         return self
 

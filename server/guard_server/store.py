@@ -4,7 +4,7 @@ budget in bytes as well as in count.
 Per (run, rank) the store keeps the state of one attach (`attach_id` on every report): a
 report of another attach replaces it at once, so a restarted trainer is visible on the next
 scrape whatever step the old one had reached. Within one attach the highest step wins, and a
-step may not run ahead of what the time since the last report can justify.
+step moves ahead no faster than a token bucket allows (`_step_allowance`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from guard_server.errors import CapacityError, StepJumpError
+from guard_server.series import series_of
 from guard_server.settings import Settings
 from guard_server.wire import Event, ReportBatch, StepReport
 
@@ -30,6 +31,7 @@ RejectReason = Literal[
     "unauthorized",
     "not_json",
     "too_large",
+    "busy",
     "timeout",
     "disconnected",
     "invalid",
@@ -75,11 +77,14 @@ class _Rank:
     attach_id: str
     previous: str | None  # the attach this one replaced, to tell two live writers apart
     latest: StepReport  # without its events: those live in `events`, once
-    step_seen: float  # receive time of the report that set `latest.step`
     last_seen: float  # server receive time of the last accepted batch, unix seconds
     finished_at: float | None  # receive time of the final report, if it came
     events: deque[Event]
     nbytes: int
+    series: int  # what `latest` puts on /metrics
+    allowance: float  # steps `latest.step` may still move ahead, as of `allowance_at`
+    allowance_at: float
+    warned: bool = False  # two writers on this rank were logged (kept with the rank, no longer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +119,15 @@ class Store:
         self._runs: dict[str, dict[int, _Rank]] = {}
         self._nranks = 0
         self._bytes = 0
+        self._series = 0
         self._reports_total = 0
         self._rejected: dict[RejectReason, int] = dict.fromkeys(REJECT_REASONS, 0)
         self._last_sweep = float("-inf")
-        self._warned_flapping: set[tuple[str, int]] = set()
 
     def ingest(self, batch: ReportBatch) -> None:
         """Store a validated batch, or raise (storing nothing and counting the reason):
-        CapacityError beyond the caps or the byte budget, StepJumpError for a step the
-        server cannot justify."""
+        CapacityError beyond the caps (runs, ranks, series) or the byte budget, StepJumpError
+        for a step further ahead than the rank's allowance."""
         latest = _latest_of(batch)
         now = self._clock()
         with self._lock:
@@ -165,6 +170,12 @@ class Store:
         with self._lock:
             return self._bytes
 
+    @property
+    def held_series(self) -> int:
+        """Series the ranks held now put on /metrics (what GUARD_SERVER_MAX_SERIES bounds)."""
+        with self._lock:
+            return self._series
+
     # -- under the lock ----------------------------------------------------------------------
 
     def _store(self, batch: ReportBatch, latest: StepReport, now: float, *, swept: bool) -> None:
@@ -175,8 +186,9 @@ class Store:
         if any(r.attach_id != attach for r in own):  # rare: a sender that re-attached
             own = [r for r in own if r.attach_id == attach]
         if state is not None and state.attach_id == latest.attach_id:
-            self._check_step(batch, state, latest, now)
+            allowance = self._step_allowance(batch, state, latest, now)
             self._update(batch, own, state, latest, now, swept=swept)
+            state.allowance, state.allowance_at = allowance, max(now, state.allowance_at)
         else:
             self._replace(batch, own, state, latest, now, swept=swept)
 
@@ -187,21 +199,21 @@ class Store:
         """A batch of the attach the rank already has: the highest step wins."""
         events = _events_after(state.events, own, self.settings.events_per_rank)
         superseded = latest.step >= state.latest.step
-        nbytes = state.nbytes
+        nbytes, series = state.nbytes, state.series
         if superseded:
             nbytes += _report_bytes(latest) - _report_bytes(state.latest)
+            series = series_of(latest)
         if events is not None:
             nbytes += sum(map(event_bytes, events)) - sum(map(event_bytes, state.events))
-        self._admit(batch, nbytes - state.nbytes, swept=swept)
+        self._admit(batch, nbytes - state.nbytes, series - state.series, swept=swept)
         if superseded:
-            if latest.step > state.latest.step:
-                state.step_seen = now
             state.latest = _without_events(latest)
         if events is not None:
             state.events.clear()
             state.events.extend(events)
         self._bytes += nbytes - state.nbytes
-        state.nbytes = nbytes
+        self._series += series - state.series
+        state.nbytes, state.series = nbytes, series
         state.last_seen = now
         state.finished_at = now if state.latest.final else None
 
@@ -213,56 +225,79 @@ class Store:
         keep = self.settings.events_per_rank
         events = _events_after((), own, keep) or []
         nbytes = _report_bytes(latest) + sum(map(event_bytes, events))
+        series = series_of(latest)
         growth = nbytes - (old.nbytes if old is not None else 0)
+        new_series = series - (old.series if old is not None else 0)
         new_run = batch.run_id not in self._runs
         growth += _run_bytes(batch.run_id) if new_run else 0
         if old is None:
             self._check_capacity(batch, swept=swept)
-        self._admit(batch, growth, swept=swept)
-        previous = None
+        self._admit(batch, growth, new_series, swept=swept)
+        previous, warned = None, False
         if old is not None:
-            previous = old.attach_id
-            self._note_replaced(batch, old, latest)
+            previous, warned = old.attach_id, self._note_replaced(batch, old, latest)
         self._runs.setdefault(batch.run_id, {})[batch.rank] = _Rank(
-            latest.attach_id, previous, _without_events(latest), now, now,
-            now if latest.final else None, deque(events, maxlen=keep), nbytes,
+            attach_id=latest.attach_id, previous=previous, latest=_without_events(latest),
+            last_seen=now, finished_at=now if latest.final else None,
+            events=deque(events, maxlen=keep), nbytes=nbytes, series=series,
+            allowance=float(self.settings.step_burst), allowance_at=now, warned=warned,
         )
         self._nranks += old is None
         self._bytes += growth
+        self._series += new_series
 
-    def _admit(self, batch: ReportBatch, growth: int, *, swept: bool) -> None:
-        """Refuse `growth` more bytes when they would pass GUARD_SERVER_MAX_BYTES."""
-        budget = self.settings.state_bytes
-        if growth <= 0 or self._bytes + growth <= budget:
+    def _admit(self, batch: ReportBatch, growth: int, new_series: int, *, swept: bool) -> None:
+        """Refuse `growth` more bytes, or `new_series` more series, past GUARD_SERVER_MAX_BYTES
+        or GUARD_SERVER_MAX_SERIES."""
+        over_bytes = growth > 0 and self._bytes + growth > self.settings.state_bytes
+        over_series = new_series > 0 and self._series + new_series > self.settings.max_series
+        if not (over_bytes or over_series):
             return
         if not swept:
             raise _Full
-        self._rejected["over_budget"] += 1
-        raise CapacityError(batch.run_id, batch.rank, self.settings.max_bytes, scope="bytes")
+        if over_bytes:
+            self._rejected["over_budget"] += 1
+            raise CapacityError(batch.run_id, batch.rank, self.settings.max_bytes, scope="bytes")
+        self._rejected["over_capacity"] += 1
+        raise CapacityError(batch.run_id, batch.rank, self.settings.max_series, scope="series")
 
-    def _check_step(self, batch: ReportBatch, state: _Rank, latest: StepReport, now: float) -> None:
-        """Refuse a step further ahead than the time since the last step can justify."""
-        rate = self.settings.max_step_rate
-        if rate is None or latest.step <= state.latest.step:
-            return
-        elapsed = max(now - state.step_seen, 0.0)
-        bound = state.latest.step + self.settings.step_burst + rate * elapsed
-        if latest.step > bound:
+    def _step_allowance(
+        self, batch: ReportBatch, state: _Rank, latest: StepReport, now: float
+    ) -> float:
+        """What is left of the rank's step allowance once this batch moves its step; refuse a
+        step further ahead than the allowance (StepJumpError).
+
+        A token bucket per rank: it holds up to GUARD_SERVER_STEP_BURST steps, refills at
+        GUARD_SERVER_MAX_STEP_RATE a second, and each accepted move spends its size. Over any
+        t seconds a rank's step moves at most STEP_BURST + MAX_STEP_RATE * t, however many
+        reports carry it: a bound that started over at each report let 200 reports of +10,000
+        (with the attach_id any reader sees) take a rank to step 2,000,006 in 5 s.
+        """
+        rate, burst = self.settings.max_step_rate, float(self.settings.step_burst)
+        if rate is None:
+            return burst
+        refill = rate * max(now - state.allowance_at, 0.0)
+        allowance = min(state.allowance + refill, burst)
+        move = latest.step - state.latest.step
+        if move > allowance:
             self._rejected["implausible_step"] += 1
             index = batch.reports.index(latest)
-            raise StepJumpError(batch.run_id, batch.rank, index, latest.step, int(bound))
+            bound = state.latest.step + int(allowance)
+            raise StepJumpError(batch.run_id, batch.rank, index, latest.step, bound)
+        return allowance - max(move, 0)
 
-    def _note_replaced(self, batch: ReportBatch, old: _Rank, latest: StepReport) -> None:
+    def _note_replaced(self, batch: ReportBatch, old: _Rank, latest: StepReport) -> bool:
+        """Log two live writers on one rank, once while the rank is held; True once logged."""
         # An attach that comes back after another replaced it means two live writers: two
         # trainers (or guards) share this run_id and rank, and the state flips between them.
-        key = (batch.run_id, batch.rank)
-        if latest.attach_id == old.previous and key not in self._warned_flapping:
-            self._warned_flapping.add(key)
+        if latest.attach_id == old.previous and not old.warned:
             log.warning(
                 "run %r rank %d: reports alternate between two attaches (%s..., %s...): two "
                 "guards report under this run_id and rank; give each its own run_id",
                 batch.run_id, batch.rank, old.attach_id[:8], latest.attach_id[:8],
             )
+            return True
+        return old.warned
 
     def _check_capacity(self, batch: ReportBatch, *, swept: bool) -> None:
         # Caller holds the lock and has found no state for this rank.
@@ -298,7 +333,9 @@ class Store:
                 if now - s.last_seen >= rank_ttl
                 or (s.finished_at is not None and now - s.finished_at >= finished_ttl)
             ]:
-                self._bytes -= ranks.pop(rank).nbytes
+                gone = ranks.pop(rank)
+                self._bytes -= gone.nbytes
+                self._series -= gone.series
                 self._nranks -= 1
             if not ranks:
                 del self._runs[run_id]

@@ -1,10 +1,11 @@
 """The whole battery against one real `python -m guard_server` process: cross-site POSTs, a
-forged step, a byte-budget flood, stalled, slow and vanishing clients, a restart. After it:
-no 5xx, no traceback in the server's log, resident memory grown within the byte budget,
-`promtool check metrics` clean, the valid data sent before and after all present."""
+forged step, a byte-budget flood, stalled, slow and vanishing clients, a restart; then a flood
+of bodies in flight. After each: no 5xx, no traceback in the server's log, resident memory
+grown within the byte budget, `promtool check metrics` clean, valid data still accepted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,15 +33,17 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-@pytest.fixture
-def server_process(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+@contextlib.contextmanager
+def _server(
+    tmp_path: Path, env: dict[str, str]
+) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """A real `python -m guard_server` with a 32 MiB budget and `env` on top; its log file."""
     port = free_port()
     log = tmp_path / "server.log"
     env = os.environ | {
         "GUARD_SERVER_MAX_BYTES": str(BUDGET),
-        "GUARD_SERVER_READ_TIMEOUT_S": "1",
-        "GUARD_SERVER_MAX_CONNECTIONS": "64",
         "GUARD_SERVER_LOG_LEVEL": "info",
+        **env,
     }
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -62,6 +65,21 @@ def server_process(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.fixture
+def server_process(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    env = {"GUARD_SERVER_READ_TIMEOUT_S": "1", "GUARD_SERVER_MAX_CONNECTIONS": "64"}
+    with _server(tmp_path, env) as running:
+        yield running
+
+
+def _promtool_clean(metrics: str) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        check = subprocess.run([promtool, "check", "metrics"], input=metrics, text=True,
+                               capture_output=True, timeout=30)
+        assert check.returncode == 0 and not check.stdout.strip(), check.stdout + check.stderr
 
 
 def _raw(url: str, data: bytes, *, close_after_s: float = 0.0) -> None:
@@ -125,8 +143,43 @@ def test_the_battery_leaves_the_server_whole(
     assert grown <= BUDGET, f"resident memory grew {grown >> 20} MiB, budget {BUDGET >> 20} MiB"
     text = log.read_text()
     assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
-    promtool = shutil.which("promtool")
-    if promtool is not None:
-        check = subprocess.run([promtool, "check", "metrics"], input=metrics, text=True,
-                               capture_output=True, timeout=30)
-        assert check.returncode == 0 and not check.stdout.strip(), check.stdout + check.stderr
+    _promtool_clean(metrics)
+
+
+def test_bodies_in_flight_stay_within_the_budget(tmp_path: Path, make_batch: Any) -> None:
+    # 150 clients send their heads, then all but the last byte of a 1 MiB body each: were
+    # every body read, the server would hold ~150 MiB under its 32 MiB budget.
+    size, clients = 1 << 20, 150
+    head = (b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % size)
+    with _server(tmp_path, {"GUARD_SERVER_READ_TIMEOUT_S": "3"}) as (url, process, log):
+        host, port = url.removeprefix("http://").split(":")
+        rss_before = _rss_bytes(process.pid)
+        with contextlib.ExitStack() as open_sockets:
+            socks = [open_sockets.enter_context(socket.create_connection((host, int(port))))
+                     for _ in range(clients)]
+            for sock in socks:
+                sock.sendall(head)
+            peak = 0
+            for sock in socks:
+                sock.settimeout(0.5)
+                with contextlib.suppress(OSError):  # a body the server is not reading yet
+                    sock.sendall(b" " * (size - 1))
+                peak = max(peak, _rss_bytes(process.pid))
+            time.sleep(0.5)
+            grown = max(peak, _rss_bytes(process.pid)) - rss_before
+            assert grown <= BUDGET, f"resident memory grew {grown >> 20} MiB, budget 32 MiB"
+            busy = 0
+            for sock in socks:
+                sock.settimeout(0.1)
+                with contextlib.suppress(OSError):
+                    reply = sock.recv(4096)
+                    busy += reply.startswith(b"HTTP/1.1 429") and b"retry-after" in reply
+        assert busy >= clients // 2
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert f'guard_ingest_rejected_total{{reason="busy"}} {float(busy)}' in metrics
+        _promtool_clean(metrics)
+        body = json.dumps(make_batch("after"))
+        assert httpx.post(f"{url}/v1/reports", content=body, headers=JSON).status_code == 202
+    text = log.read_text()
+    assert "Traceback" not in text and "ERROR" not in text, text[-3000:]

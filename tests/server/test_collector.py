@@ -12,8 +12,10 @@ from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from guard_server import ReportBatch, Settings, Store, create_app
-from guard_server.collector import new_registry
+from guard_server.collector import build_families, new_registry
 from guard_server.routes.metrics import encoder_for
+from guard_server.series import MAX_SERIES_PER_RANK, series_of
+from guard_server.wire import ACTIONS, CHECKS
 
 # DESIGN.md, "Metric names": name -> (type, extra labels). Counters are keyed by the exposed
 # name; prometheus_client's parser reports them without the _total suffix.
@@ -38,6 +40,8 @@ SERVER = {
     "guard_server_ranks": ("gauge", set()),
     "guard_server_bytes": ("gauge", set()),
 }
+
+SERVER_PREFIXES = ("guard_ingest_", "guard_server_")
 
 
 @pytest.fixture
@@ -130,3 +134,22 @@ def test_the_faster_encoding_writes_prometheus_clients_bytes(store: Store, accep
     fast, fast_type = encoder_for(accept)
     plain, plain_type = choose_encoder(accept)
     assert (fast(registry), fast_type) == (plain(registry), plain_type)
+
+
+def test_series_of_counts_what_a_scrape_shows(make_batch: Any) -> None:
+    # The store bounds a scrape by series_of (GUARD_SERVER_MAX_SERIES): it must count exactly
+    # what build_families emits per rank, from the barest report to the costliest.
+    every = {check: dict.fromkeys(ACTIONS, 1) for check in CHECKS}
+    cases = {
+        "bare": {"loss": None, "padding_mass": None, "padding_mass_max": None, "violations": {}},
+        "typical": {},
+        "worst": {"violations": every, "halted": "nonfinite"},
+    }
+    for name, fields in cases.items():
+        store = Store(Settings())
+        batch = ReportBatch.model_validate(make_batch(**fields))
+        store.ingest(batch)
+        families = build_families(store.snapshot())
+        shown = sum(len(f.samples) for f in families if not f.name.startswith(SERVER_PREFIXES))
+        assert series_of(batch.reports[0]) == shown == store.held_series, name
+    assert shown == MAX_SERIES_PER_RANK

@@ -1,15 +1,19 @@
 """The server against careless and hostile clients, over real sockets to a real uvicorn:
 cross-site simple POSTs, reads without the token, stalled, slow and vanishing clients, a
-flood of connections. Each test is bounded in time and uses loopback only."""
+flood of connections, a forger ratcheting a step, bodies past the in-flight limit, reads and
+scrapes at the caps. Each test is bounded in time and uses loopback only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import re
 import socket
 import ssl
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
-from guard_server import EmbeddedServer, Settings
+from guard_server import CapacityError, EmbeddedServer, ReportBatch, Settings
+from guard_server.responses import RunDetail
+from guard_server.routes.runs import MAX_PAGE_BYTES
+from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
 from tests.server.helpers import split_ingest_counters
 
 TOKEN = "t0ken"
@@ -219,3 +226,138 @@ def test_tls_settings_name_the_missing_half(tmp_path: Path) -> None:
     with pytest.raises(SettingsError) as info:
         Settings(ssl_certfile=tmp_path / "nope.pem", ssl_keyfile=tmp_path / "k.pem")
     assert "does not exist" in info.value.problems["GUARD_SERVER_SSL_CERTFILE"]
+
+
+@pytest.mark.parametrize("server", [{"step_burst": 100, "max_step_rate": 20.0}], indirect=True)
+def test_a_forger_cannot_ratchet_the_step(server: EmbeddedServer, make_batch: Any) -> None:
+    # The attach_id is readable (GET /v1/runs/{id}); a forger posting +burst again and again
+    # must not move the step faster than the bound over the whole window, not just per post.
+    url = f"{server.url}/v1/reports"
+    assert httpx.post(url, json=make_batch(steps=(6,))).status_code == 202
+    started = time.monotonic()
+    attach = httpx.get(f"{server.url}/v1/runs/run-1").json()["ranks"][0]["latest"]["attach_id"]
+    step, codes = 6, []
+    with httpx.Client(timeout=10) as client:
+        for _ in range(60):
+            step += 100
+            codes.append(client.post(url, json=make_batch(steps=(step,), attach_id=attach))
+                         .status_code)
+    elapsed = time.monotonic() - started
+    held = httpx.get(f"{server.url}/v1/runs/run-1").json()["ranks"][0]["step"]
+    assert held <= 6 + 100 + 20.0 * elapsed, (held, elapsed)
+    assert set(codes) <= {202, 409} and codes.count(409) >= 50
+    assert _rejected(server)["implausible_step"] == codes.count(409)
+
+
+def test_a_page_of_run_state_is_bounded_in_bytes(
+    server: EmbeddedServer, make_batch: Any, wire_example: Any
+) -> None:
+    # Ranks at the wire's limits: ~0.5 MiB of JSON each, so 1000 a page would be ~0.5 GiB.
+    event = wire_example["reports"][0]["events"][0]
+    heavy = [event | {"message": "\U0001f600" * 4096, "module": "m" * 256}] * 32
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for rank in range(24):
+            body = json.dumps(make_batch(rank=rank, events=heavy), ensure_ascii=False)
+            assert client.post("/v1/reports", content=body, headers=JSON).status_code == 202
+        ranks, offset, pages = [], 0, 0
+        while offset is not None:
+            reply = client.get("/v1/runs/run-1", params={"offset": offset, "limit": 1000})
+            assert reply.status_code == 200 and len(reply.content) <= MAX_PAGE_BYTES
+            page = RunDetail.model_validate_json(reply.content)
+            assert page.total == 24 and page.ranks and page.limit == 1000
+            ranks += [r.rank for r in page.ranks]
+            assert all(len(r.recent_events) == 32 for r in page.ranks)
+            offset, pages = page.next_offset, pages + 1
+    assert ranks == list(range(24)) and pages >= 3
+
+
+@pytest.mark.slow
+def test_a_scrape_at_the_caps_stays_inside_the_scrape_timeout(make_batch: Any) -> None:
+    # Ranks that cost a scrape the most: every check with every action, a halt, every optional
+    # value, a 128-character run_id and counts at 2**53; fed in-process until a cap says no.
+    settings = Settings(port=0, log_level="warning")
+    every = {check: dict.fromkeys(ACTIONS, MAX_COUNT) for check in CHECKS}
+    worst = make_batch(steps=(MAX_COUNT,), violations=every, halted="nonfinite",
+                       skipped_steps=MAX_COUNT, dropped_reports=MAX_COUNT)
+    with EmbeddedServer(port=0, settings=settings) as server:
+        try:
+            for n in range(settings.max_ranks):
+                run_id = f"r{n // settings.max_ranks_per_run:03d}".ljust(128, "x")
+                report = worst["reports"][0] | {"attach_id": uuid.uuid4().hex}
+                server.store.ingest(ReportBatch.model_validate(
+                    {"run_id": run_id, "rank": n % settings.max_ranks_per_run,
+                     "reports": [report]}))
+        except CapacityError as exc:
+            assert exc.scope == "series"
+        accept = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"}
+        started = time.monotonic()
+        reply = httpx.get(f"{server.url}/metrics", headers=accept, timeout=60)
+        took = time.monotonic() - started
+    assert reply.status_code == 200
+    series = sum(line.startswith("guard_") for line in reply.text.splitlines())
+    # Prometheus' default scrape_timeout is 10 s; this is ~4 s on 2 shared cores.
+    assert took < 10, f"{series} series took {took:.1f} s"
+    assert series <= settings.max_series + 64  # the server's own families, a few dozen
+
+
+def _slow_post(server: EmbeddedServer, body: bytes, sent: int) -> socket.socket:
+    # A POST whose body stops after `sent` bytes, until the caller sends the rest.
+    sock = socket.create_connection(_address(server))
+    sock.sendall(b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:sent]))
+    return sock
+
+
+def _reply(sock: socket.socket, within_s: float) -> bytes:
+    # One whole response (head and Content-Length body), or what came before the deadline.
+    deadline, data = time.monotonic() + within_s, b""
+    while (left := deadline - time.monotonic()) > 0:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = re.search(rb"content-length: (\d+)", head.lower())
+        if length is not None and len(rest) >= int(length.group(1)):
+            break
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("server", [{"max_inflight_bodies": 1, "read_timeout_s": 2.0}],
+                         indirect=True)
+def test_bodies_past_the_inflight_limit_wait_their_turn_or_get_429(
+    server: EmbeddedServer, make_batch: Any
+) -> None:
+    body = json.dumps(make_batch()).encode()
+    with contextlib.ExitStack() as open_sockets:
+
+        def post(sent: int) -> socket.socket:
+            return open_sockets.enter_context(_slow_post(server, body, sent))
+
+        # One body read at a time, one waiting: a waiter has its turn when the reader is done.
+        reading = post(10)
+        time.sleep(0.1)
+        waiting = post(len(body))
+        time.sleep(0.1)
+        reading.sendall(body[10:])
+        assert _reply(reading, 2.0).startswith(b"HTTP/1.1 202")
+        assert _reply(waiting, 2.0).startswith(b"HTTP/1.1 202")
+        # A third while one is read and one waits is refused at once; the waiter after 1 s.
+        stalled = post(10)
+        time.sleep(0.1)
+        waiting = post(len(body))
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert _reply(post(len(body)), 0.5).startswith(b"HTTP/1.1 429")
+        assert time.monotonic() - started < 0.5
+        late = _reply(waiting, 2.0)
+        assert late.startswith(b"HTTP/1.1 429") and b"retry-after: 2" in late.lower()
+        assert b"GUARD_SERVER_MAX_INFLIGHT_BODIES" in late
+        assert _reply(stalled, 3.0).startswith(b"HTTP/1.1 408")
+    assert httpx.post(f"{server.url}/v1/reports", json=make_batch(steps=(2,))).status_code == 202
+    rejected = _rejected(server)
+    assert (rejected["busy"], rejected["timeout"]) == (2, 1)

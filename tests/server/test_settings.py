@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from guard_server import Settings, SettingsError
+from guard_server import ReportBatch, Settings, SettingsError
+from guard_server.settings import _PARSED_PER_BODY
+from guard_server.wire import MAX_EVENTS
 
 
 def test_defaults() -> None:
@@ -78,8 +83,33 @@ def test_a_bad_token_is_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_byte_budget_keeps_room_for_requests_in_flight() -> None:
-    assert Settings().state_bytes == (256 << 20) - 4 * (1 << 20)
+    # 8 bodies being read (1 MiB and a 128 KiB chunk each), 8 waiting (a chunk each), and the
+    # one being parsed (12 MiB with its parsed batch): 22 MiB of the 256.
+    mib, chunk = 1 << 20, 128 << 10
+    assert Settings().inflight_bytes == 8 * (mib + chunk) + 8 * chunk + 12 * mib == 22 * mib
+    assert Settings().state_bytes == 234 * mib
+    two = 2 * (mib + chunk) + 2 * chunk + 12 * mib
+    assert Settings(max_inflight_bodies=2).state_bytes == 256 * mib - two
     with pytest.raises(SettingsError) as info:
-        Settings(max_bytes=4 << 20)
-    assert "at least 5242880 bytes" in info.value.problems["GUARD_SERVER_MAX_BYTES"]
+        Settings(max_bytes=16 << 20)
+    problem = info.value.problems["GUARD_SERVER_MAX_BYTES"]
+    assert f"at least {23 * mib} bytes" in problem
+    assert "GUARD_SERVER_MAX_INFLIGHT_BODIES=8" in problem
 
+
+def test_the_reserve_covers_the_body_being_parsed(make_batch: Any, wire_example: Any) -> None:
+    # The worst parse for a body's size: as many short events as 1 MiB holds, each a model.
+    event = wire_example["reports"][0]["events"][0] | {"message": "", "module": None}
+    limit = Settings().max_body_bytes
+    one = len(json.dumps(make_batch(steps=(1,), events=[event] * MAX_EVENTS)))
+    body = json.dumps(make_batch(steps=tuple(range(limit // one)), events=[event] * MAX_EVENTS))
+    assert 0.95 * limit < len(body) <= limit
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        batch = ReportBatch.model_validate_json(body)
+        parsed = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert len(batch.reports) * MAX_EVENTS > 9000
+    assert len(body) + parsed <= _PARSED_PER_BODY * limit, parsed / len(body)

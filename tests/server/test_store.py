@@ -4,6 +4,7 @@ and bytes, and evicts on time."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import tracemalloc
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from guard_server import CapacityError, ReportBatch, Settings, StepJumpError, Store
+from guard_server.series import series_of
 from guard_server.store import REJECT_REASONS
 from guard_server.wire import CHECKS
 
@@ -61,22 +63,47 @@ def test_a_forged_step_cannot_freeze_a_rank(make_batch: Any, clock: Any, caplog:
     after = store.snapshot()
     assert after.ranks == before.ranks and after.reports_total == before.reports_total
     assert after.rejected["implausible_step"] == 1
-    clock.advance(2)  # 2 s at 100 steps/s + a burst of 50: up to step 260 is plausible
-    store.ingest(_batch(make_batch, steps=(260,)))
+    clock.advance(2)  # the allowance refills to its burst of 50, and no further
     with pytest.raises(StepJumpError):
-        store.ingest(_batch(make_batch, steps=(311,)))
+        store.ingest(_batch(make_batch, steps=(61,)))
+    store.ingest(_batch(make_batch, steps=(60,)))
     # A forged report under another attach takes the rank over only until the real one
     # reports again (and two writers on one rank are named in the log, once).
     store.ingest(_batch(make_batch, steps=(2**53,), attach_id="forged-attach"))
     assert store.snapshot().ranks[0].latest.step == 2**53
     wire_attach = make_batch()["reports"][0]["attach_id"]
     with caplog.at_level("WARNING", logger="guard_server"):
-        store.ingest(_batch(make_batch, steps=(261,)))
+        store.ingest(_batch(make_batch, steps=(61,)))
         store.ingest(_batch(make_batch, steps=(2**53,), attach_id="forged-attach"))
-        store.ingest(_batch(make_batch, steps=(262,)))
-    assert store.snapshot().ranks[0].latest.step == 262
+        store.ingest(_batch(make_batch, steps=(62,)))
+    assert store.snapshot().ranks[0].latest.step == 62
     assert [r.message.count("two guards report") for r in caplog.records] == [1]
     assert wire_attach[:8] in caplog.records[0].message
+
+
+def test_the_step_allowance_holds_over_any_window(make_batch: Any, clock: Any) -> None:
+    # A forger with the rank's attach_id (any reader sees it) posts as far ahead as the server
+    # lets it, every 10 ms for a second: the step moves 50 + 100 * 1 s, not 50 per post.
+    store = Store(Settings(max_step_rate=100, step_burst=50), clock=clock)
+    store.ingest(_batch(make_batch, steps=(0,)))
+    refused = 0
+    for _ in range(100):
+        clock.advance(0.01)
+        step = store.snapshot().ranks[0].latest.step
+        try:
+            store.ingest(_batch(make_batch, steps=(step + 50,)))
+        except StepJumpError as exc:
+            refused += 1
+            store.ingest(_batch(make_batch, steps=(exc.bound,)))  # a refusal spends nothing
+    assert 145 <= store.snapshot().ranks[0].latest.step <= 150 and refused >= 98
+    # After a silence the allowance is the burst, not the burst plus the silence.
+    clock.advance(60)
+    step = store.snapshot().ranks[0].latest.step
+    with pytest.raises(StepJumpError):
+        store.ingest(_batch(make_batch, steps=(step + 51,)))
+    store.ingest(_batch(make_batch, steps=(step - 5,)))  # stale: moves nothing, spends nothing
+    store.ingest(_batch(make_batch, steps=(step + 50,)))
+    assert store.snapshot().rejected["implausible_step"] == refused + 1
 
 
 def test_no_step_bound_when_the_rate_is_none(make_batch: Any) -> None:
@@ -212,8 +239,8 @@ def test_the_byte_estimate_bounds_what_is_held(make_batch: Any, wire_example: An
 
 
 def test_a_flood_past_the_byte_budget_is_refused(make_batch: Any, wire_example: Any) -> None:
-    settings = Settings(max_bytes=6 << 20, max_body_bytes=512 << 10)
-    assert settings.state_bytes == 4 << 20  # 4 bodies' worth kept for requests in flight
+    settings = Settings(max_bytes=16 << 20, max_body_bytes=512 << 10)
+    assert settings.state_bytes == 4 << 20  # 12 MiB kept for requests in flight
     store = Store(settings)
     heavy = _events(wire_example, 32, "\U0001f600" * 4000)  # ~0.5 MiB a rank
     with pytest.raises(CapacityError, match="GUARD_SERVER_MAX_BYTES") as info:
@@ -231,7 +258,8 @@ def test_a_flood_past_the_byte_budget_is_refused(make_batch: Any, wire_example: 
 
 
 def test_only_the_last_events_are_held(make_batch: Any, wire_example: Any) -> None:
-    # Superseded reports keep none of their events: one rank's events stay within one
+    # A rank keeps its last 32 events, whichever reports brought them (docs/server.md: most
+    # reports bring none, and a violation must stay readable after them), never more: one
     # report's worth however many reports arrive.
     store = Store(Settings())
     for step in range(1, 20):
@@ -239,6 +267,10 @@ def test_only_the_last_events_are_held(make_batch: Any, wire_example: Any) -> No
     view = store.snapshot().ranks[0]
     assert len(view.events) == 32 and view.latest.events == []
     assert store.held_bytes < 64 * 1024
+    store.ingest(_batch(make_batch, steps=(20,)))  # no events: the last ones stay
+    assert store.snapshot().ranks[0].events == view.events
+    store.ingest(_batch(make_batch, steps=(1,), attach_id="restart-attach"))
+    assert store.snapshot().ranks[0].events == ()  # a new attach starts with none
 
 
 def test_the_total_rank_cap_holds_across_runs(make_batch: Any) -> None:
@@ -248,3 +280,58 @@ def test_the_total_rank_cap_holds_across_runs(make_batch: Any) -> None:
     with pytest.raises(CapacityError, match="GUARD_SERVER_MAX_RANKS ") as info:
         store.ingest(_batch(make_batch, run_id="d"))
     assert info.value.scope == "ranks_total" and store.size() == (3, 3)
+
+
+def test_ranks_with_two_writers_leave_nothing_behind(
+    make_batch: Any, clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two attaches taking turns on one rank are logged once; that note must go with the rank,
+    # or rounds of such ranks that finish and expire grow the server outside its budget.
+    store = Store(Settings(finished_ttl_s=10), clock=clock)
+
+    def churn(round_: int) -> None:
+        for n in range(500):
+            run_id = f"x{round_}-{n // 250}".ljust(100, "y")
+            for attach, final in (("attach-aaaa", False), ("attach-bbbb", False),
+                                  ("attach-aaaa", True)):
+                store.ingest(_batch(make_batch, run_id=run_id, rank=n % 250, attach_id=attach,
+                                    final=final))
+        clock.advance(10)
+        assert store.snapshot().ranks == []
+
+    caplog.set_level(logging.ERROR, logger="guard_server")  # not 500 warnings a round
+    churn(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for round_ in range(1, 5):
+            churn(round_)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert store.size() == (0, 0) and store.held_bytes == 0
+    assert grown < 64 << 10, f"{grown} bytes left behind by 2000 expired ranks"
+
+
+def test_the_series_cap_holds_for_new_ranks_and_for_growth(make_batch: Any, clock: Any) -> None:
+    # What a scrape costs is its series: a new rank, or a report that adds series to a known
+    # one (a violation counter, a halt), is refused past GUARD_SERVER_MAX_SERIES.
+    per = series_of(_batch(make_batch).reports[0])
+    store = Store(Settings(max_series=4 * per + 2, rank_ttl_s=60), clock=clock)
+    for rank in range(4):
+        store.ingest(_batch(make_batch, rank=rank))
+    with pytest.raises(CapacityError, match="GUARD_SERVER_MAX_SERIES") as info:
+        store.ingest(_batch(make_batch, rank=4))
+    assert (info.value.scope, info.value.limit) == ("series", 4 * per + 2)
+    two_more = {"padding_mass": {"warn": 1}, "nonfinite": {"fail": 0}}
+    violations = make_batch()["reports"][0]["violations"] | two_more
+    store.ingest(_batch(make_batch, rank=0, steps=(2,), violations=violations))
+    assert store.held_series == 4 * per + 2
+    with pytest.raises(CapacityError):
+        store.ingest(_batch(make_batch, rank=1, steps=(2,), halted="nonfinite"))
+    store.ingest(_batch(make_batch, rank=1, steps=(3,)))  # the same series: still fine
+    snap = store.snapshot()
+    assert snap.rejected["over_capacity"] == 2 and [v.rank for v in snap.ranks] == [0, 1, 2, 3]
+    clock.advance(60)
+    store.ingest(_batch(make_batch, rank=4))  # the expired ranks gave their series back
+    assert store.held_series == per

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from guard_server.auth import authorized
-from guard_server.deps import SettingsDep, StoreDep
-from guard_server.errors import BodyTooLargeError, CapacityError, StepJumpError
+from guard_server.deps import BodySlotsDep, SettingsDep, StoreDep
+from guard_server.errors import BodyTooLargeError, BusyError, CapacityError, StepJumpError
 from guard_server.limits import read_body
 from guard_server.responses import Accepted, Problem, ValidationProblem
 from guard_server.wire import ReportBatch
@@ -42,6 +42,8 @@ def _request_body() -> dict[str, Any]:
 # Seconds a client is asked to wait after a 429: ranks free their place only when they expire
 # (minutes), so retrying sooner only adds load.
 RETRY_AFTER_S = 30
+# ... but a turn to have a body read frees in milliseconds, or at most at the read timeout.
+BUSY_RETRY_AFTER_S = 2
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -65,11 +67,14 @@ def _is_json(content_type: str | None) -> bool:
         409: {"model": Problem, "description": "a step further ahead than time allows"},
         415: {"model": Problem, "description": "Content-Type is not application/json"},
         422: {"model": ValidationProblem, "description": "invalid batch; `loc` names the field"},
-        429: {"model": Problem, "description": "over the server's caps or its byte budget"},
+        429: {"model": Problem, "description": "over the server's caps or its byte budget, or "
+              "too many bodies in flight"},
     },
     openapi_extra=_request_body(),
 )
-async def post_reports(request: Request, settings: SettingsDep, store: StoreDep) -> Accepted:
+async def post_reports(
+    request: Request, settings: SettingsDep, store: StoreDep, slots: BodySlotsDep
+) -> Accepted:
     """Store the batch and answer 202, or reject it whole with 401, 408, 409, 413, 415, 422
     or 429."""
     # The body is read by hand rather than by a pydantic parameter: the size limit must hold
@@ -84,10 +89,14 @@ async def post_reports(request: Request, settings: SettingsDep, store: StoreDep)
         raise HTTPException(415, "reports must be sent with Content-Type: application/json")
     try:
         async with asyncio.timeout(settings.read_timeout_s):
-            body = await read_body(request, settings.max_body_bytes)
+            body = await read_body(request, settings.max_body_bytes, slots)
     except BodyTooLargeError as exc:
         store.reject("too_large")
         raise HTTPException(413, str(exc)) from None
+    except BusyError as exc:
+        store.reject("busy")
+        headers = {"Retry-After": str(BUSY_RETRY_AFTER_S)}
+        raise HTTPException(429, str(exc), headers=headers) from None
     except TimeoutError:
         store.reject("timeout")
         raise HTTPException(

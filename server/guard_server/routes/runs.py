@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Response
+from pydantic_core import to_json
 
 from guard_server.deps import StoreDep
 from guard_server.responses import Problem, RankState, RunDetail, RunList, summarize
@@ -15,6 +16,9 @@ router = APIRouter(tags=["runs"])
 
 PAGE = 100  # ranks per page of GET /v1/runs/{run_id} by default
 MAX_PAGE = 1000
+# Bytes of one page's JSON: a typical rank is ~0.6 KiB of it (1000 fit), one at the wire's
+# limits ~0.5 MiB (8 fit). A page is built one rank at a time, so a read holds about twice this.
+MAX_PAGE_BYTES = 4 << 20
 
 
 @router.get("/v1/runs", response_model=RunList, summary="Runs the server holds")
@@ -34,22 +38,31 @@ def get_run(
     store: StoreDep,
     offset: Annotated[int, Query(ge=0, description="first rank index of the page")] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="ranks per page")] = PAGE,
-) -> RunDetail:
+) -> Response:
     """A page of ranks (by rank): last step, last report time, latest values, last violations.
 
-    Paged because a rank's state can be ~0.6 MiB at the wire's limits: 512 ranks in one body
-    would be hundreds of MiB. `next_offset` is null on the last page.
+    Paged in ranks (`limit`) and in bytes (4 MiB of JSON, whatever `limit` says: a rank's
+    state can be ~0.5 MiB at the wire's limits, so 1000 ranks could be ~0.5 GiB). A page has
+    at least one rank; `next_offset` is where the next one starts, null on the last page.
     """
     views = store.snapshot(run_id).ranks
     if not views:
         raise HTTPException(404, f"no run {run_id!r}: never reported, or all its ranks expired")
-    page = views[offset : offset + limit]
-    end = offset + len(page)
-    return RunDetail(
+    ranks: list[bytes] = []
+    size = 0
+    for view in views[offset : offset + limit]:
+        rank = to_json(RankState.of(view))
+        if ranks and size + len(rank) > MAX_PAGE_BYTES - 1024:  # room for the envelope
+            break
+        ranks.append(rank)
+        size += len(rank) + 1
+    end = offset + len(ranks)
+    page = RunDetail(
         run_id=run_id,
         total=len(views),
         offset=offset,
         limit=limit,
         next_offset=end if end < len(views) else None,
-        ranks=[RankState.of(v) for v in page],
+        ranks=[],
     )
+    return Response(page.json_with(ranks), media_type="application/json")
