@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from starlette.requests import Request
 
 from guard_server.errors import BodyTooLargeError, BusyError
+from guard_server.settings import WAITING_PER_SLOT
 
 __all__ = ["BodySlots", "read_body"]
 
@@ -20,9 +21,9 @@ TURN_WAIT_S = 1.0
 
 
 class BodySlots:
-    """At most `slots` bodies read at once and as many waiting for a turn (each at most
-    `wait_s`); any more are refused (BusyError) before a byte of theirs is read, so the bodies
-    in flight stay within what GUARD_SERVER_MAX_BYTES keeps for them."""
+    """At most `slots` bodies read at once and WAITING_PER_SLOT times as many waiting for a
+    turn (each at most `wait_s`); any more are refused (BusyError) before a byte of theirs is
+    read, so the bodies in flight stay within what GUARD_SERVER_MAX_BYTES keeps for them."""
 
     def __init__(self, slots: int, wait_s: float = TURN_WAIT_S) -> None:
         self.slots = slots
@@ -36,7 +37,7 @@ class BodySlots:
         """Hold one of the slots for the block, waiting for one if all are taken."""
         semaphore = self._here()
         if semaphore.locked():
-            if self._waiting >= self.slots:
+            if self._waiting >= self.slots * WAITING_PER_SLOT:
                 raise BusyError(self.slots, 0.0)
             self._waiting += 1
             try:

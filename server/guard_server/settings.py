@@ -29,6 +29,11 @@ _CHUNK_BYTES = (64 + 64) << 10
 # The event loop parses one body at a time: the body, and its parsed batch at up to ~11x its
 # JSON (1 MiB of short events is 10,000 Event models, 11 MiB; tests/server/test_settings.py).
 _PARSED_PER_BODY = 12
+# Bodies that may wait for a turn, per slot of GUARD_SERVER_MAX_INFLIGHT_BODIES (limits.py). A
+# waiting body costs one read of its connection (reading pauses until its turn), and the count
+# lags the turns: a waiter counts until its task runs, after the slot it got was freed, so as
+# many waiters as slots turned honest bursts away (16 ranks pushing back to back: a 429 in 200).
+WAITING_PER_SLOT = 8
 # The push sink reads the same variable, so one GUARD_TOKEN configures both ends.
 _TOKEN_VARS = ("GUARD_SERVER_TOKEN", "GUARD_TOKEN")
 
@@ -55,7 +60,7 @@ class Settings(BaseSettings):
     # a typical rank holds ~5 KiB, one at every wire limit ~0.55 MiB) plus a reserve for the
     # requests in flight (`inflight_bytes`).
     max_bytes: int = Field(default=256 << 20, ge=1 << 20)
-    # Bodies read at once; as many more wait for a turn (a second at most), the rest get 429
+    # Bodies read at once; 8x as many more wait for a turn (a second at most), the rest get 429
     # at once. A push of a few KiB arrives with its head and holds a turn for microseconds; the
     # limit is what bounds a flood of slow 1 MiB bodies (each held until it is whole).
     max_inflight_bodies: int = Field(default=8, ge=1)
@@ -122,7 +127,7 @@ class Settings(BaseSettings):
         the chunk that passes it), what uvicorn buffers of each body waiting for its turn, and
         the one body being parsed with its parsed batch."""
         reading = self.max_inflight_bodies * (self.max_body_bytes + _CHUNK_BYTES)
-        waiting = self.max_inflight_bodies * _CHUNK_BYTES
+        waiting = self.max_inflight_bodies * WAITING_PER_SLOT * _CHUNK_BYTES
         return reading + waiting + _PARSED_PER_BODY * self.max_body_bytes
 
     @property

@@ -24,6 +24,7 @@ import pytest
 from guard_server import CapacityError, EmbeddedServer, ReportBatch, Settings
 from guard_server.responses import RunDetail
 from guard_server.routes.runs import MAX_PAGE_BYTES
+from guard_server.settings import WAITING_PER_SLOT
 from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
 from tests.server.helpers import split_ingest_counters
 
@@ -346,18 +347,20 @@ def test_bodies_past_the_inflight_limit_wait_their_turn_or_get_429(
         reading.sendall(body[10:])
         assert _reply(reading, 2.0).startswith(b"HTTP/1.1 202")
         assert _reply(waiting, 2.0).startswith(b"HTTP/1.1 202")
-        # A third while one is read and one waits is refused at once; the waiter after 1 s.
+        # While one is read and WAITING_PER_SLOT (8) wait, one more is refused at once; the
+        # waiters after 1 s.
         stalled = post(10)
         time.sleep(0.1)
-        waiting = post(len(body))
-        time.sleep(0.1)
+        waiters = [post(len(body)) for _ in range(WAITING_PER_SLOT)]
+        time.sleep(0.2)
         started = time.monotonic()
         assert _reply(post(len(body)), 0.5).startswith(b"HTTP/1.1 429")
         assert time.monotonic() - started < 0.5
-        late = _reply(waiting, 2.0)
-        assert late.startswith(b"HTTP/1.1 429") and b"retry-after: 2" in late.lower()
-        assert b"GUARD_SERVER_MAX_INFLIGHT_BODIES" in late
+        for waiting in waiters:
+            late = _reply(waiting, 2.0)
+            assert late.startswith(b"HTTP/1.1 429") and b"retry-after: 2" in late.lower()
+            assert b"GUARD_SERVER_MAX_INFLIGHT_BODIES" in late
         assert _reply(stalled, 3.0).startswith(b"HTTP/1.1 408")
     assert httpx.post(f"{server.url}/v1/reports", json=make_batch(steps=(2,))).status_code == 202
     rejected = _rejected(server)
-    assert (rejected["busy"], rejected["timeout"]) == (2, 1)
+    assert (rejected["busy"], rejected["timeout"]) == (1 + WAITING_PER_SLOT, 1)

@@ -83,17 +83,17 @@ def test_a_bad_token_is_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_byte_budget_keeps_room_for_requests_in_flight() -> None:
-    # 8 bodies being read (1 MiB and a 128 KiB chunk each), 8 waiting (a chunk each), and the
-    # one being parsed (12 MiB with its parsed batch): 22 MiB of the 256.
+    # 8 bodies being read (1 MiB and a 128 KiB chunk each), 64 waiting (a chunk each), and
+    # the one being parsed (12 MiB with its parsed batch): 29 MiB of the 256.
     mib, chunk = 1 << 20, 128 << 10
-    assert Settings().inflight_bytes == 8 * (mib + chunk) + 8 * chunk + 12 * mib == 22 * mib
-    assert Settings().state_bytes == 234 * mib
-    two = 2 * (mib + chunk) + 2 * chunk + 12 * mib
+    assert Settings().inflight_bytes == 8 * (mib + chunk) + 64 * chunk + 12 * mib == 29 * mib
+    assert Settings().state_bytes == 227 * mib
+    two = 2 * (mib + chunk) + 16 * chunk + 12 * mib
     assert Settings(max_inflight_bodies=2).state_bytes == 256 * mib - two
     with pytest.raises(SettingsError) as info:
         Settings(max_bytes=16 << 20)
     problem = info.value.problems["GUARD_SERVER_MAX_BYTES"]
-    assert f"at least {23 * mib} bytes" in problem
+    assert f"at least {30 * mib} bytes" in problem
     assert "GUARD_SERVER_MAX_INFLIGHT_BODIES=8" in problem
 
 
