@@ -238,12 +238,21 @@ class PushSink:
                 why = (f"no complete answer within {self._deadline_s:g} s"
                        if isinstance(e, TimeoutError) else type(e).__name__)
             with self._cond:
-                if self._closing and time.monotonic() + wait > self._deadline:
+                resume = time.monotonic() + wait
+                if not self._closing:
+                    log.debug("guard: push to %s failed (%s); retrying in %.1f s", self.where,
+                              why, wait)
+                    # Only close() ends this early: emit() notifies the condition too, and a
+                    # queue that stays full during an outage would cut every backoff short.
+                    self._cond.wait_for(lambda: self._closing, wait)
+                if self._closing and resume > self._deadline:
+                    # The next try would come after close's deadline: no more tries for any
+                    # batch (the server asked for the wait); the rest is counted at close.
+                    self._deadline = min(self._deadline, time.monotonic())
                     self._settle(count, sent=False)
                     return
-                log.debug("guard: push to %s failed (%s); retrying in %.1f s", self.where,
-                          why, wait)
-                self._cond.wait(wait)
+            if (left := resume - time.monotonic()) > 0:  # closing, with time for one more try
+                time.sleep(left)
             delay = min(delay * 2, self._backoff_s[1])
 
 

@@ -118,6 +118,22 @@ def test_retry_after_is_honoured() -> None:
     assert len(arrivals) == 2 and arrivals[1] - arrivals[0] >= 0.9
 
 
+def test_reports_emitted_meanwhile_do_not_cut_the_wait_short() -> None:
+    # A server shedding load, a trainer emitting a report every 50 ms (each one fills a batch
+    # and notifies the push thread): still one try per Retry-After.
+    def always_busy(n: int, conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\n"
+                     b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+
+    with raw_server(always_busy) as (url, arrivals):
+        sink = PushSink(url, batch_size=1, backoff_s=(0.05, 0.1), flush_interval_s=0.05)
+        for step in range(1, 41):
+            sink.emit(one_report(step))
+            time.sleep(0.05)
+        sink.close(timeout=0.1)
+    assert 1 <= len(arrivals) <= 3, f"{len(arrivals)} tries in 2 s against Retry-After: 1"
+
+
 @pytest.mark.parametrize(("header", "seconds"), [
     ("2", 2.0), ("0.5", 0.5), ("-3", 0.0), ("86400", 60.0), ("soon", None), (None, None),
 ])
