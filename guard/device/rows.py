@@ -24,7 +24,7 @@ class PaddingRows:
     """Rows [real, rows) of each distinct weight (one when embedding and head are tied)."""
 
     def __init__(self, weights: list[tuple[str, torch.Tensor, int]], flags: Flags,
-                 biases: Sequence[tuple[torch.Tensor, int]] = ()) -> None:
+                 biases: Sequence[tuple[str, torch.Tensor, int]] = ()) -> None:
         # (name, (rows, d) parameter, its first padding row in its own row numbers: the real
         # vocab, or fewer on the shard of a vocab-parallel head)
         self.weights = weights
@@ -32,7 +32,7 @@ class PaddingRows:
         # Each rank reads the rows it holds: all of them, or its shard under FSDP2; the read's
         # all-reduce (MAX) combines the shards, so no rank gathers a weight.
         self._shards = [(RowShard.of(w, name), real) for name, w, real in weights]
-        self._biases = [(RowShard.of(b, "lm_head.bias"), real) for b, real in biases]
+        self._biases = [(RowShard.of(b, name), real) for name, b, real in biases]
         # The scale of a token row, taken once at attach: the largest real row's norm (of the
         # whole weight: a shard may hold few real rows, or none).
         with torch.no_grad():
@@ -56,8 +56,8 @@ class PaddingRows:
             else:  # one tensor: checked and repaired once, named twice
                 weights[tied] = (f"{weights[tied][0]} (tied: {name}.weight)", w, real)
         bias = getattr(head, "bias", None)
-        biases = ([(bias, firsts[1])] if isinstance(bias, torch.Tensor) and bias.dim() == 1
-                  and bias.shape[0] > firsts[1] else [])
+        biases = ([(f"{names[1]}.bias", bias, firsts[1])] if isinstance(bias, torch.Tensor)
+                  and bias.dim() == 1 and bias.shape[0] > firsts[1] else [])
         return cls(weights, flags, biases) if weights else None
 
     @property

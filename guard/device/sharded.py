@@ -1,6 +1,6 @@
 """Weights sharded by rows (FSDP2's `fully_shard`, a DTensor `Shard(0)`): which rows of the
-whole weight this rank holds, read and written in place without a collective (the scale taken
-at attach costs one all-gather of a number per row)."""
+whole weight this rank holds, read and written in place without a collective; the scale taken
+at attach and a repair's mean row cost one all-reduce each."""
 
 from __future__ import annotations
 
@@ -75,30 +75,33 @@ class RowShard:
         local: torch.Tensor = cast(Any, self.weight).to_local()
         return local
 
+    def _held(self, row: int) -> int:
+        """How many of the rows held here come before row `row` of the whole weight."""
+        return min(max(row - self.first, 0), self.count)
+
     def rows_from(self, start: int) -> torch.Tensor:
         """The rows held here whose number in the whole weight is >= start, (k, d); k may be 0."""
-        return self.local()[min(max(start - self.first, 0), self.count) :]
+        return self.local()[self._held(start) :]
 
     def mean_below(self, end: int) -> torch.Tensor:
         """Float32: the mean of rows [0, end) of the whole weight, (d,) (a scalar for a bias).
         Sharded by rows, each rank sums the rows it holds and the sums are all-reduced over the
         shard dimension's group: a collective, so every rank of that group calls it."""
-        held = min(max(end - self.first, 0), self.count)
-        total = self.local().detach()[:held].float().sum(dim=0)
+        total = self.local().detach()[: self._held(end)].float().sum(dim=0)
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
         return total / max(end, 1)
 
     def largest_norm_below(self, end: int) -> torch.Tensor:
-        """0-dim: the largest norm of rows [0, end) of the whole weight. A DTensor's row norms,
-        (rows,), are gathered: one all-gather of `rows` floats, at attach only."""
-        w = self.weight.detach()
-        if not self.dtensor:
-            w = w[:end]
-        norms: torch.Tensor = w.float().norm(dim=-1)  # (end,), or a DTensor (rows,)
-        if self.dtensor:
-            norms = cast(Any, norms).full_tensor()[:end]
-        return norms.amax()
+        """0-dim float32: the largest norm of rows [0, end) of the whole weight (0 for none).
+        A row is whole on the rank that holds it, so each rank takes the largest norm of its
+        own and, sharded, they are all-reduced (MAX) over the shard dimension's group: one
+        number, a collective (at attach), so every rank of that group calls it."""
+        rows = self.local().detach()[: self._held(end)].float()
+        largest = rows.norm(dim=-1).amax() if rows.shape[0] else rows.new_zeros(())
+        if self.group is not None:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        return largest
 
 
 def register_sharded(model: nn.Module) -> None:
