@@ -326,7 +326,7 @@ def main() -> None:
     parser.add_argument("--scrape-repeats", type=int, default=5)
     parser.add_argument("--worst-series", type=int,
                         help="GUARD_SERVER_MAX_SERIES for the worst-case scrape (default: the "
-                        "server's own; smaller for a quick run)"),
+                        "server's own; smaller for a quick run)")
     parser.add_argument("--write", type=Path, help="update this markdown file's Ingest section")
     args = parser.parse_args()
     scenarios = [

@@ -21,21 +21,19 @@ Run from the repository root (`-m`: it imports tests.dashboards.fleet).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import re
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import httpx
-import torch
 
-import guard
 from bench.ingest import machine, write_section
-from guard.demo.model import GPT, GPTConfig
 from guard_server.testing import Prometheus, prometheus_binary, run_prometheus
-from tests.dashboards.fleet import Template, serve_fleet
+from tests.dashboards.fleet import Template, attached_rank, serve_fleet
 
 HEADING = "## Scale: every rank scraped directly (bench/scale.py)"
 DROP = "guard_(ingest|server)_.+"  # deploy/kubernetes/podmonitor-ranks.yaml, slurm/prometheus.yml
@@ -43,25 +41,12 @@ DROP = "guard_(ingest|server)_.+"  # deploy/kubernetes/podmonitor-ranks.yaml, sl
 
 def embedded_endpoint(repeats: int) -> tuple[str, float]:
     """A real guard's exposition after 3 steps, and the median ms of one scrape of it."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32))
-    opt = torch.optim.AdamW(model.parameters())
-    logging.getLogger("guard").setLevel(logging.ERROR)  # the untrained head's masked mass
-    policy = {"run_id": "scale", "export": {"serve": "127.0.0.1:0"}}
-    with guard.attach(model, vocab_size=100, optimizer=opt, policy=policy) as g:
-        for _ in range(3):
-            x, y = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        assert g.metrics_url is not None, "the embedded endpoint did not start"
-        times = []
-        with httpx.Client(timeout=10) as client:
-            for _ in range(repeats):
-                t = time.perf_counter()
-                text = client.get(g.metrics_url).text
-                times.append(time.perf_counter() - t)
+    times = []
+    with attached_rank("scale", steps=3) as url, httpx.Client(timeout=10) as client:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            text = client.get(url).text
+            times.append(time.perf_counter() - t)
     return text, statistics.median(times) * 1000
 
 
@@ -166,7 +151,7 @@ def main() -> None:
     print(f"embedded endpoint: {len(text):,} bytes, {scrape_ms:.1f} ms", flush=True)
     fleet = prometheus_fleet(Template(text), args.ranks, args.interval, args.seconds)
     print(fleet, flush=True)
-    command = ".venv/bin/python -m bench.scale" + (f" --write {args.write}" if args.write else "")
+    command = shlex.join([".venv/bin/python", "-m", "bench.scale", *sys.argv[1:]])
     section = render_section(command, text, scrape_ms, args.ranks, args.interval, fleet,
                              (load_before, os.getloadavg()[0]))
     print(section)

@@ -1,12 +1,12 @@
 """A large job scraped directly: many ranks, each behind its own /metrics endpoint.
 
-`capture_exposition()` attaches a real guard (default policy) to a tiny GPT, trains two steps
-and reads its embedded endpoint once: the text one rank really serves, the endpoint's own
-`guard_ingest_*` / `guard_server_*` series included. `Template` re-labels that text for any
-run and rank and sets chosen values, so a fleet of ranks keeps the real names, labels, HELP
-and TYPE lines, and only the numbers are the test's. `serve_fleet` serves one rendering per
-rank on as many loopback ports, from one asyncio loop in a thread (a thread per port would
-not scale to thousands):
+`attached_rank()` attaches a real guard (default policy) to a tiny GPT and trains two steps;
+`capture_exposition()` reads its embedded endpoint once: the text one rank really serves,
+the endpoint's own `guard_ingest_*` / `guard_server_*` series included. `Template`
+re-labels that text for any run and rank and sets chosen values, so a fleet of ranks keeps
+the real names, labels, HELP and TYPE lines, and only the numbers are the test's.
+`serve_fleet` serves one rendering per rank on as many loopback ports, from one asyncio loop
+in a thread (a thread per port would not scale to thousands):
 
     template = Template(capture_exposition())
     render = lambda i, scrape, now: template.render("run", i, {"guard_step": 100 + scrape})
@@ -94,9 +94,10 @@ class Template:
         return "\n".join(lines) + "\n"
 
 
-def capture_exposition(run_id: str = "captured", steps: int = 2) -> str:
-    """The text exposition of one real rank: a guard on a tiny GPT, default policy."""
-    import httpx
+@contextmanager
+def attached_rank(run_id: str = "captured", steps: int = 2) -> Iterator[str]:
+    """One real rank: a guard on a tiny GPT (default policy, embedded endpoint), trained
+    `steps` steps; yields its /metrics URL while it stays attached."""
     import torch
 
     import guard
@@ -107,7 +108,7 @@ def capture_exposition(run_id: str = "captured", steps: int = 2) -> str:
     opt = torch.optim.AdamW(model.parameters())
     policy = {"run_id": run_id, "export": {"serve": "127.0.0.1:0"}}
     # The untrained head puts mass on the padding columns [100, 128), which the default
-    # policy masks and logs at every step: not this capture's business.
+    # policy masks and logs at every step: not this rank's business.
     log = logging.getLogger("guard")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -121,9 +122,17 @@ def capture_exposition(run_id: str = "captured", steps: int = 2) -> str:
                 opt.zero_grad()
             if g.metrics_url is None:
                 raise RuntimeError("the guard's embedded endpoint did not start")
-            text: str = httpx.get(g.metrics_url, timeout=10).text
+            yield g.metrics_url
     finally:
         log.setLevel(level)
+
+
+def capture_exposition(run_id: str = "captured", steps: int = 2) -> str:
+    """The text exposition of one real rank (`attached_rank`)."""
+    import httpx
+
+    with attached_rank(run_id, steps) as url:
+        text: str = httpx.get(url, timeout=10).text
     return text
 
 
