@@ -8,12 +8,15 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 if _TYPE_CHECKING:
-    from guard.device.checks import padding_mass
+    from guard.device.loss import LossShares
+    from guard.device.ops import mask_padding, padding_mass
     from guard.errors import AttachError, GuardError, GuardViolation, PolicyError
     from guard.guard import Guard, attach
     from guard.policy import Policy
     from guard.policy_file import load_policy
-    from guard.vocab.discover import audit
+    from guard.step.clock import Steps
+    from guard.vocab.discover import Heads, find_heads
+    from guard.vocab.resolve import audit
     from guard.vocab.sizes import Audit, pad_vocab_size
 
 __all__ = [
@@ -22,11 +25,16 @@ __all__ = [
     "Guard",
     "GuardError",
     "GuardViolation",
+    "Heads",
+    "LossShares",
     "Policy",
     "PolicyError",
+    "Steps",
     "attach",
     "audit",
+    "find_heads",
     "load_policy",
+    "mask_padding",
     "pad_vocab_size",
     "padding_mass",
 ]
@@ -37,13 +45,18 @@ _WHERE = {
     "Guard": "guard.guard",
     "GuardError": "guard.errors",
     "GuardViolation": "guard.errors",
+    "Heads": "guard.vocab.discover",
+    "LossShares": "guard.device.loss",
     "Policy": "guard.policy",
     "PolicyError": "guard.errors",
+    "Steps": "guard.step.clock",
     "attach": "guard.guard",
-    "audit": "guard.vocab.discover",
+    "audit": "guard.vocab.resolve",
+    "find_heads": "guard.vocab.discover",
     "load_policy": "guard.policy_file",
+    "mask_padding": "guard.device.ops",
     "pad_vocab_size": "guard.vocab.sizes",
-    "padding_mass": "guard.device.checks",
+    "padding_mass": "guard.device.ops",
 }
 
 

@@ -15,13 +15,17 @@ __all__ = ["main"]
 
 Command = Callable[[argparse.Namespace], int]
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
-SCENARIOS = ("seed", "nan")  # guard demo --scenario; guard/demo/run.py runs them
 
 
 def _demo(sub: Subparsers) -> None:
-    p = sub.add_parser("demo", help="reproduce the ghost-class collapse and stop it",
-                       description="Train a small GPT three times from one seed: unguarded "
-                       "(collapses), guarded with fail (stops), guarded with mask (trains).")
+    from guard.demo.scenarios import SCENARIOS  # text only: no torch
+
+    p = sub.add_parser("demo", help="reproduce the seed's ghost classes and stop them",
+                       description="Train a small GPT whose padding rows hold garbage four "
+                       "times from one seed: unguarded (watched by a NaN/Inf loss check and "
+                       "detect_anomaly), guarded with fail (stops at step 1), guarded with "
+                       "mask (trains like the reference), and a reference whose head covers "
+                       "the real vocabulary only.")
     p.add_argument("--steps", type=int, default=60, help="training steps per arm (default 60)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="guard-demo-out", help="folder for the plot and summary")
@@ -29,11 +33,9 @@ def _demo(sub: Subparsers) -> None:
     p.add_argument("--no-serve", action="store_true", help="no embedded /metrics endpoint")
     p.add_argument("--serve", default="127.0.0.1:9464", help="host:port of /metrics")
     p.add_argument("--push", default=None, help="also push reports to a guard server URL")
-    p.add_argument("--scenario", choices=SCENARIOS, default="seed",
-                   help="seed (default): the seed's collapse, uninitialised garbage in the "
-                   "padding rows, trained unguarded, with fail, with mask and as the reference; "
-                   "nan: a NaN reaches training mid-run and the guard names the first module "
-                   "that went non-finite and stops the run")
+    p.add_argument("--scenario", choices=list(SCENARIOS), default="seed",
+                   help="; ".join(f"{name}{' (default)' if name == 'seed' else ''}: "
+                                  f"{scenario.summary}" for name, scenario in SCENARIOS.items()))
     p.set_defaults(run=_run_demo)
 
 

@@ -115,8 +115,9 @@ class PaddingRowsCheck(_Strict):
     """The padding rows [real, rows) of the embedding and lm_head weights, at attach and at
     each read: non-finite values, or a norm `factor` times the largest real row's."""
 
-    # repair: zero rows give the padding ids no embedding and a constant logit once the guard
-    # is gone, and HF models stop generating them (generation_config.suppress_tokens).
+    # repair: each padding row becomes the mean of the real rows, so once the guard is gone a
+    # padding id gets at most the real ids' mean probability (guard/device/rows.py says why
+    # not zeros), and HF models stop generating them (generation_config.suppress_tokens).
     action: Literal["repair", "fail", "warn", "off"] = "repair"
     # A trained or initialised row has a norm within a few times its neighbours' (init std
     # 0.02 x sqrt(d); training moves rows slowly); a row 10x the largest real one is no token

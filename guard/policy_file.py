@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from guard.errors import PolicyError
 from guard.policy import Policy
 
-__all__ = ["coerce_policy", "load_policy"]
+__all__ = ["load_policy"]
 
 
 def _describe(err: dict[str, Any]) -> str:
@@ -63,7 +63,7 @@ def _validate(data: Any, source: str) -> Policy:
         raise PolicyError(source, problems) from None
 
 
-def load_policy(path: str | os.PathLike[str]) -> Policy:
+def _read(path: str | os.PathLike[str]) -> Policy:
     """Read a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) policy file."""
     p = Path(path)
     suffix = p.suffix.lower()
@@ -86,8 +86,9 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
     return _validate(data, str(p))
 
 
-def coerce_policy(policy: Policy | dict[str, Any] | str | os.PathLike[str] | None) -> Policy:
-    """A Policy from a Policy, a dict, a path, or None (the defaults)."""
+def load_policy(policy: Policy | dict[str, Any] | str | os.PathLike[str] | None) -> Policy:
+    """A Policy from a file (YAML .yaml/.yml, TOML .toml, JSON .json), a dict, a Policy (as it
+    is) or None (the defaults); a PolicyError names the source and every bad key."""
     if policy is None:
         return Policy()
     if isinstance(policy, Policy):
@@ -95,6 +96,6 @@ def coerce_policy(policy: Policy | dict[str, Any] | str | os.PathLike[str] | Non
     if isinstance(policy, dict):
         return _validate(policy, "<dict>")
     if isinstance(policy, str | os.PathLike):
-        return load_policy(policy)
+        return _read(policy)
     got = type(policy).__name__
     raise PolicyError("<argument>", [f"policy must be a Policy, dict or path, got {got}"])

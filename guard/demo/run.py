@@ -37,8 +37,10 @@ from guard.demo.arms import (
     train,
 )
 from guard.demo.data import Corpus
+from guard.demo.padded import build
 from guard.demo.plot import plot
-from guard.demo.scenarios import REAL, ROWS, SCENARIOS, Scenario, build
+from guard.demo.scenarios import REAL, ROWS, SCENARIOS, Scenario
+from guard.sinks.embedded import EmbeddedSink, start_embedded
 
 __all__ = ["ArmResult", "run_demo"]
 
@@ -51,8 +53,9 @@ def _policy(action: str, args: argparse.Namespace) -> dict[str, Any]:
             # show.
             "alignment": {"action": "warn"},
             "padding_mass": {"action": action},
-            # The guard would zero the garbage rows at attach (repair, the default); here it
-            # only warns, so the arms show what the padding-mass check sees of the garbage.
+            # The guard would overwrite the garbage rows with the mean real row at attach
+            # (repair, the default); here it only warns, so the arms show what the
+            # padding-mass check sees of the garbage.
             "padding_rows": {"action": "warn"},
         },
         "export": {"serve": None, "push": args.push},
@@ -77,8 +80,8 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     padded, ref_model = build(scenario, args.seed, d, layers)
     console.print(str(guard.audit(padded, vocab_size=REAL)) + "\n")
-    server = _start_server(args.serve, console) if not args.no_serve else None
-    arms, detectors = _run_arms(args, padded, ref_model, server, console)
+    endpoint = None if args.no_serve else _start_endpoint(args.serve, console)
+    arms, detectors = _run_arms(args, padded, ref_model, endpoint, console)
     unguarded, fail, mask, ref = arms
     diff = max((abs(a - b) for a, b in zip(mask.losses, ref.losses, strict=False)),
                default=math.nan)
@@ -99,13 +102,13 @@ def run_demo(args: argparse.Namespace) -> int:
     ok = _outcomes_ok(scenario, arms, detectors, diff)
     console.print("[green]demo: every outcome as expected[/]" if ok else
                   "[red]demo: an outcome differs from what the demo expects (see above)[/]")
-    if server is not None:
-        _close_server(server, console)
+    if endpoint is not None:
+        _close_endpoint(endpoint, console)
     return 0 if ok else 1
 
 
-def _run_arms(args: argparse.Namespace, padded: Any, ref_model: Any, server: Any,
-              console: Any) -> tuple[list[ArmResult], Detectors]:
+def _run_arms(args: argparse.Namespace, padded: Any, ref_model: Any,
+              endpoint: EmbeddedSink | None, console: Any) -> tuple[list[ArmResult], Detectors]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     corpus = Corpus(REAL, seed=args.seed)
@@ -119,7 +122,7 @@ def _run_arms(args: argparse.Namespace, padded: Any, ref_model: Any, server: Any
                       console=console) as progress:
             for arm in arms:
                 task = progress.add_task(arm.name, total=args.steps)
-                _run_arm(arm, args, padded, ref_model, server, corpus,
+                _run_arm(arm, args, padded, ref_model, endpoint, corpus,
                          lambda t=task: progress.advance(t), detectors)
     finally:
         guard_log.setLevel(level)
@@ -133,17 +136,16 @@ def _run_arms(args: argparse.Namespace, padded: Any, ref_model: Any, server: Any
 
 
 def _run_arm(arm: ArmResult, args: argparse.Namespace, padded: Any, ref_model: Any,
-             server: Any, corpus: Corpus, tick: Any, detectors: Detectors) -> None:
+             endpoint: EmbeddedSink | None, corpus: Corpus, tick: Any,
+             detectors: Detectors) -> None:
     device = args.device
     model = (ref_model if arm.name == "reference" else copy.deepcopy(padded)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     g = None
     if arm.name in ("fail", "mask"):
         g = guard.attach(model, policy=_policy(arm.name, args), vocab_size=REAL, optimizer=opt)
-        if server is not None:
-            from guard.sinks.embedded import EmbeddedSink
-
-            g.add_sink(EmbeddedSink(server=server))
+        if endpoint is not None:  # both guarded arms feed the demo's one endpoint
+            g.add_sink(EmbeddedSink(server=endpoint.server))
     try:
         train(arm, model, opt, corpus, args.steps, device, g, tick,
               detectors if arm.name == "unguarded" else None)
@@ -216,30 +218,27 @@ def _outcomes_ok(scenario: Scenario, arms: list[ArmResult], detectors: Detectors
     return guard_first and tracks and finite and detectors.nan_check.noticed is None
 
 
-def _start_server(address: str, console: Any) -> Any:
+def _start_endpoint(address: str, console: Any) -> EmbeddedSink | None:
     from guard.policy import Export
 
     host, port = Export(serve=address).serve_address() or ("127.0.0.1", 9464)
-    try:
-        from guard_server.embedded import EmbeddedServer
-
-        server = EmbeddedServer.for_trainer(host, port)
-        url = server.start()
-    except (ImportError, OSError, RuntimeError) as e:
-        console.print(f"[yellow]no /metrics endpoint ({e}); continuing without it[/]")
+    endpoint = start_embedded(host, port)  # None, with the reason logged, when it cannot serve
+    if endpoint is None:
+        console.print("[yellow]no /metrics endpoint (see the warning above); continuing "
+                      "without it[/]")
         return None
-    console.print(f"Live metrics: {url}/metrics  (runs demo-fail and demo-mask)\n")
-    return server
+    console.print(f"Live metrics: {endpoint.metrics_url}  (runs demo-fail and demo-mask)\n")
+    return endpoint
 
 
-def _close_server(server: Any, console: Any) -> None:
+def _close_endpoint(endpoint: EmbeddedSink, console: Any) -> None:
     # The closing line must be true: when someone is at the terminal, the endpoint stays up
     # until they press Enter (or Ctrl-C); otherwise it goes now, and the demo says so.
     if sys.stdin.isatty():
-        console.print(f"Metrics are up at {server.url}/metrics until you press Enter "
+        console.print(f"Metrics are up at {endpoint.metrics_url} until you press Enter "
                       "(or Ctrl-C).")
         with contextlib.suppress(EOFError, KeyboardInterrupt):
             input()
-    server.stop()
+    endpoint.close()
     console.print("The metrics endpoint is closed; its figures are gone with it (push them "
                   "to a guard server with --push to keep them).")

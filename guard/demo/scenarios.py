@@ -1,4 +1,5 @@
 """The demo's two scenarios: what is in the padding rows, and what the demo found it does.
+No torch here: `guard demo --help` lists them (guard/demo/padded.py builds the models).
 
 seed  The seed's story: a head padded from 50000 to 50016 rows whose 16 padding rows hold
       large but finite garbage (an untied lm_head, as Llama-style models have, resized
@@ -11,11 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from guard.demo.model import GPT, GPTConfig
-
-__all__ = ["REAL", "ROWS", "SCENARIOS", "Scenario", "build", "uninitialised"]
+__all__ = ["REAL", "ROWS", "SCENARIOS", "Scenario"]
 
 REAL = 50000  # the seed's vocabulary
 ROWS = 50016  # the seed's padded size (not a multiple of 64: 50000 pads to 50048)
@@ -27,6 +24,7 @@ class Scenario:
 
     name: str
     tied: bool
+    summary: str  # one line for `guard demo --help`
     garbage: str  # what the padding rows hold, for the console
     # What the demo found when looking for the ingredient that turns the ghost classes into a
     # collapse on this model (bench/demo_ingredients.py reproduces the search).
@@ -37,6 +35,9 @@ SCENARIOS = {
     "seed": Scenario(
         "seed",
         tied=False,
+        summary="large but finite garbage in an untied head's padding rows, as a resize "
+        "without initialisation leaves: the loss stays finite and stalls, no NaN check "
+        "fires, the guard fires at step 1",
         garbage="rows [50000, 50016) of the untied lm_head hold large but finite garbage "
         "(normal, std 5: 250x the real rows' init), as a resize that does not initialise "
         "the new rows can leave them",
@@ -51,41 +52,11 @@ SCENARIOS = {
     "nan": Scenario(
         "nan",
         tied=True,
+        summary="uninitialised float32 bit patterns in the tied rows: NaN at step 1, which "
+        "every detector catches; the guard also names the first module that went non-finite",
         garbage="rows [50000, 50016) of the tied embedding / lm_head hold uninitialised "
         "memory: arbitrary float32 bit patterns (finite ones, up to ~3e38)",
         finding="The garbage overflows the logits at once: the loss is Inf/NaN at step 1, "
         "which a NaN/Inf loss check catches as well as the guard.",
     ),
 }
-
-
-def uninitialised(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Garbage like torch.empty can hand back after a resize: arbitrary float32 bit patterns
-    (NaN / Inf patterns replaced by 0, so the garbage itself is finite)."""
-    g = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-(2**31), 2**31, shape, generator=g, dtype=torch.int64).to(torch.int32)
-    x = bits.view(torch.float32)
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-
-
-def _large(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g) * 5.0
-
-
-def build(scenario: Scenario, seed: int, d: int, layers: int) -> tuple[GPT, GPT]:
-    """(padded model with garbage padding rows, reference over the real vocab only), sharing
-    every real weight."""
-    torch.manual_seed(seed)
-    config = GPTConfig(vocab_size=ROWS, block_size=32, n_layer=layers, n_head=2, n_embd=d,
-                       tie_weights=scenario.tied)
-    padded = GPT(config)
-    fill = uninitialised if scenario.name == "nan" else _large
-    with torch.no_grad():
-        padded.lm_head.weight[REAL:] = fill((ROWS - REAL, d), seed + 1)  # tied: wte too
-    ref = GPT(GPTConfig(vocab_size=REAL, block_size=32, n_layer=layers, n_head=2, n_embd=d,
-                        tie_weights=scenario.tied))
-    state = {k: (v[:REAL] if k in ("wte.weight", "lm_head.weight") else v)
-             for k, v in padded.state_dict().items()}
-    ref.load_state_dict(state)
-    return padded, ref

@@ -27,9 +27,12 @@ from typing import Literal, get_args
 
 import torch
 
-from guard.device.checks import nonfinite_count
+from guard.checks import coverage, nonfinite
+from guard.checks import loss as step_loss
+from guard.checks import loss_spike as spike_check
 from guard.device.compile import compiling
 from guard.device.flags import Flags
+from guard.device.ops import nonfinite_count
 from guard.errors import AttachError
 from guard.policy import Policy
 
@@ -169,13 +172,16 @@ class StepLoss:
             loss = loss * self.scale
         f = self.flags
         f.follow(loss.device)
-        f.set_loss(loss.to(f.t.dtype))
-        f.saw("loss")
+        f.put(step_loss.VALUE, loss.to(f.t.dtype))
+        f.put(step_loss.SEEN, 1.0)
+        f.mark(coverage.SEEN["loss"])
         self._count(loss)
         if self.spike is not None:
             self.spike.follow(f.device, f.t.dtype)
-            f.add_spike(*self.spike.update(loss))
+            spike, ratio = self.spike.update(loss)
+            f.put(spike_check.SPIKE, spike)
+            f.put(spike_check.RATIO, ratio)
 
     def _count(self, loss: torch.Tensor) -> None:
         if self.count_nonfinite:
-            self.flags.add_nonfinite("loss", nonfinite_count(loss))
+            self.flags.put(nonfinite.LOSS, nonfinite_count(loss))

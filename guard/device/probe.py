@@ -1,75 +1,32 @@
-"""Forward hooks on the embedding, the lm_head and the model: they run the pure checks on
-the device and accumulate into the flags. Nothing here reads a tensor to the host."""
+"""The device side of the guard: forward hooks on the embedding, the lm_head and the model that
+write into the checks' slots (guard/checks/), and what the step clock and the reader ask of
+it at a boundary. Nothing in a hook reads a tensor to the host."""
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from guard.device.checks import (
-    chunk_rows,
-    masked_logits,
-    nonfinite_count,
-    out_of_range_parts,
-    padding_mass_parts,
-    sample_rows,
-    sample_rows_at,
-)
-from guard.device.compile import compiling, eager_at_top_level
+from guard.checks import coverage, nonfinite, token_range
 from guard.device.flags import Flags
-from guard.device.loss import StepLoss
+from guard.device.hooks import hook
+from guard.device.logits import Logits, ProbeConfig
+from guard.device.loss import LossShares, StepLoss
+from guard.device.ops import mask_padding, nonfinite_count, out_of_range_parts
+from guard.device.reading import Reading
 from guard.device.rows import PaddingRows
 from guard.policy import Policy
 from guard.vocab.discover import Heads
-from guard.vocab.sizes import Audit
+from guard.vocab.resolve import Sizes
 
-__all__ = ["Probe", "ProbeConfig", "find_loss", "labels_position"]
+__all__ = ["Probe", "find_loss", "labels_position", "mask_hook"]
 
 _LABEL_KWARGS = ("labels", "targets")
-
-
-@dataclass(frozen=True)
-class ProbeConfig:
-    """What the hooks compute; derived from the policy once at attach."""
-
-    real: int  # real vocab (token ids), clipped to the vocab rows
-    rows: int  # columns of this process's head output (a shard's columns under vocab_shard)
-    padding_mass: bool
-    mask: bool
-    sample_tokens: int
-    exact: bool
-    nonfinite: bool
-    token_range: bool
-    ignore_index: int | None
-    # Head output columns [0, head_real) are real tokens: `real` for a whole head, fewer on
-    # the shard of a vocab-parallel head that holds the padding (attach's vocab_shard).
-    head_real: int | None = None
-
-    @classmethod
-    def from_policy(cls, policy: Policy, audit: Audit,
-                    shard: tuple[int, int] | None = None) -> ProbeConfig:
-        c = policy.checks
-        rows, head_real = audit.rows, None
-        if shard is not None:
-            # The head's columns are global ids [start, end): padding from id `real` on.
-            start, end = shard
-            rows, head_real = end - start, min(max(audit.real - start, 0), end - start)
-        return cls(
-            real=min(audit.real, audit.rows), rows=rows,
-            padding_mass=policy.enabled("padding_mass"), mask=policy.masks,
-            sample_tokens=c.padding_mass.sample_tokens, exact=c.padding_mass.exact,
-            nonfinite=policy.enabled("nonfinite"), token_range=policy.enabled("token_range"),
-            ignore_index=c.token_range.ignore_index, head_real=head_real,
-        )
-
-    @property
-    def real_columns(self) -> int:
-        return min(self.real, self.rows) if self.head_real is None else self.head_real
 
 
 def find_loss(output: Any) -> torch.Tensor | None:
@@ -95,8 +52,8 @@ def labels_position(model: nn.Module) -> int | None:
 
 
 class Probe:
-    """The device side of the guard: hooks that add reductions to `flags` and feed the model's
-    loss to `loss`; `install` returns their handles (the guard owns and removes them)."""
+    """Hooks that add reductions to the flags and feed the model's loss to the step's loss;
+    `install` returns their handles (the guard owns and removes them)."""
 
     def __init__(self, cfg: ProbeConfig, flags: Flags, loss: StepLoss,
                  rows: PaddingRows | None = None) -> None:
@@ -104,9 +61,7 @@ class Probe:
         self.flags = flags
         self.loss = loss
         self.rows = rows  # the padding rows of the weights, checked before each read
-        self._step = 0
-        # The sampling offset as a device tensor too, for compiled forwards (`_sample`).
-        self._offset = torch.zeros((), dtype=torch.int64)
+        self.logits = Logits(cfg, flags)
         self._label_pos: int | None = None
         # This forward's final hidden states, and whether it called the head: a forward that
         # computes its loss from the head's weight without calling it (a fused
@@ -115,41 +70,78 @@ class Probe:
         self._head_called = False
         self._head: nn.Module | None = None
 
-    def begin(self, step: int) -> None:
-        """A new step starts: move the sampling offset (a device write, never a read)."""
-        self._step = step
-        self._offset.fill_(step)
+    @classmethod
+    def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
+                    loss_shares: LossShares = "last", loss_scale: float = 1.0) -> Probe:
+        device = next((p.device for p in heads.lm_head.parameters()), torch.device("cpu"))
+        flags = Flags.from_policy(policy, device, rank)
+        loss = StepLoss.from_policy(policy, flags, shares=loss_shares, scale=loss_scale)
+        rows = PaddingRows.from_policy(policy, flags, heads, sizes.first_padding)
+        return cls(ProbeConfig.from_policy(policy, sizes), flags, loss, rows)
 
-    def check_weights(self) -> None:
-        """Before a read: the padding rows of the weights into the flags (device ops)."""
-        if self.rows is not None:
+    # -- at a boundary (the step clock) ------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.flags.device
+
+    @property
+    def reads_at_attach(self) -> bool:
+        """Something is checked before step 1: the padding rows of the weights."""
+        return self.rows is not None
+
+    def end_step(self, step: int) -> None:
+        """Step `step` ended: fold its loss, count what it did not see, move the sample."""
+        self.logits.begin(step)
+        self.loss.fold()
+        self.flags.end_step()
+
+    def read(self, *, lagged: bool, reduce: bool = True, weights: bool = True) -> Reading | None:
+        """The flags, after checking the weights' padding rows (device ops) when `weights`."""
+        if weights and self.rows is not None:
             self.rows.check()
+        return self.flags.read(lagged=lagged, reduce=reduce)
+
+    def flush(self) -> Reading | None:
+        """Whatever a lagged read left queued (at detach)."""
+        return self.flags.flush()
+
+    def fold(self) -> None:
+        """The loss seen since the last boundary into the flags (at detach)."""
+        self.loss.fold()
+
+    def record_loss(self, loss: torch.Tensor, *, fallback: bool = False) -> None:
+        """A loss given by `g.step(loss)` (see StepLoss.record)."""
+        self.loss.record(loss, given=True, fallback=fallback)
+
+    def repairs(self) -> dict[str, Callable[[], None]]:
+        """Per check, what its `repair` action does (the reader calls it at a violation)."""
+        return {} if self.rows is None else {"padding_rows": self.rows.repair}
+
+    # -- hooks -------------------------------------------------------------------------------
 
     def install(self, model: nn.Module, heads: Heads) -> list[RemovableHandle]:
         """Hooks for the enabled checks only: a check that is off costs nothing."""
         self._label_pos = labels_position(model)
         self._head = heads.lm_head
         c = self.cfg
-        eager_at_top_level(self._model_pre, self._model_post)
-        handles = [model.register_forward_pre_hook(self._model_pre, with_kwargs=True)]
+        handles = [hook(model, self._model_pre, kind="forward_pre", compiled="eager",
+                        with_kwargs=True)]
         if c.token_range:
-            handles.append(heads.embedding.register_forward_pre_hook(self._embedding_pre))
+            handles.append(hook(heads.embedding, self._embedding_pre, kind="forward_pre"))
         if c.nonfinite:
-            handles.append(heads.lm_head.register_forward_pre_hook(self._head_pre))
+            handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
         if c.padding_mass or c.mask or c.nonfinite:
-            handles.append(heads.lm_head.register_forward_hook(self._head_post))
+            handles.append(hook(heads.lm_head, self._head_post, kind="forward"))
             if heads.final_norm is not None:
-                handles.append(heads.final_norm.register_forward_hook(self._hidden_post))
-        handles.append(model.register_forward_hook(self._model_post))
+                handles.append(hook(heads.final_norm, self._hidden_post, kind="forward"))
+        handles.append(hook(model, self._model_post, kind="forward", compiled="eager"))
         return handles
-
-    # -- hooks -------------------------------------------------------------------------------
 
     def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training and args and isinstance(args[0], torch.Tensor):
             with torch.no_grad():
-                self.flags.add_out_of_range("input", *out_of_range_parts(args[0], self.cfg.real,
-                                                                         None))
+                self._out_of_range("input", args[0], None)
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not module.training:
@@ -161,30 +153,38 @@ class Probe:
         if labels is None and self._label_pos is not None and len(args) > self._label_pos:
             labels = args[self._label_pos]
         if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
-            self.flags.saw("labels")
+            self.flags.mark(coverage.SEEN["labels"])
             with torch.no_grad():
-                parts = out_of_range_parts(labels, self.cfg.real, self.cfg.ignore_index)
-                self.flags.add_out_of_range("label", *parts)
+                self._out_of_range("label", labels, self.cfg.ignore_index)
+
+    def _out_of_range(self, kind: token_range.Kind, ids: torch.Tensor,
+                      ignore_index: int | None) -> None:
+        n, negative, top = out_of_range_parts(ids, self.cfg.real, ignore_index)
+        f = self.flags
+        f.put(token_range.SLOTS[kind], n)
+        if kind == "label":
+            f.put(token_range.NEGATIVE, negative)
+        f.put(token_range.MAX_ID, top)
 
     def _head_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training and args and isinstance(args[0], torch.Tensor):
             self.flags.follow(args[0].device)
             with torch.no_grad():
-                self.flags.add_nonfinite("hidden", nonfinite_count(args[0]))
+                self.flags.put(nonfinite.HIDDEN, nonfinite_count(args[0]))
 
     def _head_post(self, module: nn.Module, args: tuple[Any, ...], logits: Any) -> Any:
-        if not isinstance(logits, torch.Tensor) or logits.shape[-1] != self.cfg.rows:
+        if not isinstance(logits, torch.Tensor) or logits.shape[-1] != self.cfg.columns:
             return None
         c = self.cfg
         if module.training:
             self._head_called = True
             self.flags.follow(logits.device)
-            self.flags.saw("logits")
+            self.flags.mark(coverage.SEEN["logits"])
             with torch.no_grad():
-                self._measure(logits.detach())
+                self.logits.measure(logits.detach())
         if c.mask:
             # In place, after measuring: the mass reported is the one the mask removed.
-            return masked_logits(logits, c.real_columns)
+            return mask_padding(logits, c.real_columns)
         return None
 
     def _hidden_post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
@@ -198,72 +198,17 @@ class Probe:
         if loss is not None:
             self.loss.record(loss)
         hidden, self._hidden = self._hidden, None
-        if hidden is not None and not self._head_called:
-            self._measure_fused(hidden)
+        if hidden is not None and not self._head_called and self._head is not None:
+            self.logits.measure_fused(hidden, self._head)
 
-    def _measure_fused(self, hidden: torch.Tensor) -> None:
-        """The forward computed its loss from the head's weight without calling the head (a
-        fused linear-cross-entropy kernel, F.linear(h, wte.weight)): the logits of a sample of
-        positions, from the final hidden states, measured as the head's would be. The mask
-        cannot reach a fused kernel's logits; the verdict says so."""
-        head = self._head
-        weight = getattr(head, "weight", None)
-        if not isinstance(weight, torch.Tensor) or hidden.shape[-1] != weight.shape[-1]:
-            return
-        bias = getattr(head, "bias", None)
-        self.flags.follow(hidden.device)
-        self.flags.saw("logits")
-        self.flags.add_fused()
-        with torch.no_grad():
-            positions = self._sample(hidden.detach().reshape(-1, hidden.shape[-1]))  # (n, d)
-            if self.cfg.nonfinite:
-                self.flags.add_nonfinite("hidden", nonfinite_count(positions))
-            logits = torch.nn.functional.linear(positions.to(weight.dtype), weight,
-                                                bias if isinstance(bias, torch.Tensor) else None)
-            self._reduce(logits)  # (n, rows): already a sample
 
-    # -- the logits' reductions --------------------------------------------------------------
+def mask_hook(real: int, columns: int) -> Callable[[nn.Module, Any, Any], Any]:
+    """A forward hook for the head that masks the padding columns [real, columns) of its
+    output (what `detach(keep_mask=True)` leaves behind)."""
 
-    def _sample(self, flat: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        if c.exact:
-            return flat
-        if compiling():
-            # The step as a Python int would be a constant of the graph: a recompile per step.
-            if self._offset.device != flat.device:
-                self._offset = self._offset.to(flat.device)
-            return sample_rows_at(flat, c.sample_tokens, self._offset)  # the same positions
-        return sample_rows(flat, c.sample_tokens, self._step)
+    def mask(module: nn.Module, args: Any, out: Any) -> Any:
+        if isinstance(out, torch.Tensor) and out.shape[-1] == columns:
+            return mask_padding(out, real)
+        return None
 
-    def _measure(self, logits: torch.Tensor) -> None:
-        c = self.cfg
-        flat = logits.reshape(-1, c.rows)  # (tokens, rows); a view for contiguous logits
-        self._reduce(self._sample(flat))
-        if c.nonfinite and not c.exact and logits.dtype == torch.float16:
-            # float16 logits can overflow at single (position, column) pairs the sample misses;
-            # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
-            # check and the sample (every position sees every weight) already catch.
-            total = flat[:, : c.real_columns].sum(dtype=torch.float32)
-            self.flags.nonfinite_at_least("logits", torch.isfinite(total).logical_not())
-
-    def _reduce(self, positions: torch.Tensor) -> None:
-        """Padding mass and non-finite counts of (n, rows) sampled logits, in chunks."""
-        c, f = self.cfg, self.flags
-        real = c.real_columns
-        per_chunk = chunk_rows(c.rows, positions.device)
-        measure_mass = c.padding_mass and real < c.rows
-        for i in range(0, positions.shape[0], per_chunk):
-            chunk = positions[i : i + per_chunk]  # (n, rows)
-            if measure_mass:
-                mass, lse_real = padding_mass_parts(chunk, real)  # (n,), (n,)
-                # A NaN mass means NaN on the padding columns: count it as all the mass.
-                f.add_padding_mass(torch.nan_to_num(mass, nan=1.0))
-            else:
-                lse_real = chunk[:, :real].sum(dim=-1, dtype=torch.float32)  # (n,)
-            if c.padding_mass:
-                f.add_positions(chunk.shape[0])
-            if c.nonfinite:
-                # Positions with a NaN or +Inf among the real-vocab logits make the position's
-                # logsumexp (or sum) non-finite: counted per position, from values already
-                # reduced.
-                f.add_nonfinite("logits", nonfinite_count(lse_real))
+    return mask

@@ -11,9 +11,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from guard.checks import padding_rows
 from guard.device.flags import Flags
 from guard.device.sharded import RowShard
 from guard.policy import Policy
+from guard.vocab.discover import Heads
 
 __all__ = ["PaddingRows", "suppress_padding_ids"]
 
@@ -39,14 +41,15 @@ class PaddingRows:
             self._reference = [s.largest_norm_below(real) for s, real in self._shards]
 
     @classmethod
-    def from_policy(cls, policy: Policy, flags: Flags, embedding: nn.Module, head: nn.Module,
-                    firsts: tuple[int, int], names: tuple[str, str]) -> PaddingRows | None:
+    def from_policy(cls, policy: Policy, flags: Flags, heads: Heads,
+                    firsts: tuple[int, int]) -> PaddingRows | None:
         """None where the check is off or no weight has a padding row. `firsts`: the first
-        padding row of the embedding's and of the head's weight."""
+        padding row of the embedding's and of the head's weight (Sizes.first_padding)."""
         if not policy.enabled("padding_rows"):
             return None
+        head, names = heads.lm_head, (heads.embedding_name, heads.lm_head_name)
         weights: list[tuple[str, torch.Tensor, int]] = []
-        for name, module, real in zip(names, (embedding, head), firsts, strict=True):
+        for name, module, real in zip(names, (heads.embedding, head), firsts, strict=True):
             w = getattr(module, "weight", None)
             if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] > real):
                 continue
@@ -76,7 +79,8 @@ class PaddingRows:
                                     torch.where(norm > 0, float("inf"), 0.0))
                 bad = torch.isfinite(pad).logical_not().sum()
                 self.flags.follow(pad.device)
-                self.flags.add_rows(bad, torch.nan_to_num(ratio, nan=float("inf")))
+                self.flags.put(padding_rows.NONFINITE, bad)
+                self.flags.put(padding_rows.RATIO, torch.nan_to_num(ratio, nan=float("inf")))
 
     def repair(self) -> None:
         """Set each padding row (and the head's padding bias) to the mean of the real ones,

@@ -22,8 +22,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+import guard
 from guard.integrations.common import GuardedTraining, torch_optimizer
-from guard.vocab.discover import discover
 
 __all__ = ["GuardCallback", "guarded_module"]
 
@@ -32,7 +32,7 @@ def guarded_module(pl_module: nn.Module, embedding: nn.Module | None = None,
                    lm_head: nn.Module | None = None) -> nn.Module:
     """The smallest submodule holding both the embedding and the lm_head: the model that
     `training_step` calls, whose forward sees the labels and returns the loss."""
-    heads = discover(pl_module, embedding=embedding, lm_head=lm_head)
+    heads = guard.find_heads(pl_module, embedding=embedding, lm_head=lm_head)
     prefix: list[str] = []
     for a, b in zip(heads.embedding_name.split(".")[:-1], heads.lm_head_name.split(".")[:-1],
                     strict=False):
@@ -98,6 +98,6 @@ class GuardCallback(GuardedTraining, pl.Callback):
                      exception: BaseException) -> None:
         self._detach()
 
-    def _detach(self) -> None:
-        super()._detach()
+    def _detach(self, *, keep_mask: bool = False) -> None:
+        super()._detach(keep_mask=keep_mask)
         self._loss = None

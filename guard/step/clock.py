@@ -11,29 +11,26 @@ A step ends at one of three boundaries, fixed at attach (`steps=`, `optimizer=`)
 
 Every `read_every` boundaries the clock reads the flags; where no check needs to act before
 the update (`Policy.host_may_lag`) and the device is a GPU, one step late, so the device never
-stalls. Each read goes to `on_read(reading, step, in_step=, closure=)`, which returns whether
-to drop this optimizer step.
+stalls. Each reading goes to the reader (guard/step/reader.py), which returns whether to drop
+this optimizer step; so do the read at attach (`start`) and what is left at detach (`finish`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from guard.device.compile import eager_at_top_level
-from guard.device.flags import Flags
-from guard.device.loss import StepLoss
-from guard.device.probe import Probe
+from guard.device.hooks import hook
+from guard.device.reading import Reading
 from guard.errors import AttachError
 from guard.policy import Action, Policy
-from guard.step.reading import Reading
+from guard.step.reader import When
 
-__all__ = ["Boundary", "OnRead", "StepClock", "Steps", "check_boundaries"]
+__all__ = ["Boundary", "Device", "OnRead", "StepClock", "Steps", "check_boundaries"]
 
 log = logging.getLogger("guard")
 
@@ -41,8 +38,30 @@ Steps = Literal["auto", "manual"]
 Boundary = Literal["optimizer", "manual", "forward"]
 
 
+class Device(Protocol):
+    """What the clock needs of the device side (guard/device/probe.py's Probe)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def reads_at_attach(self) -> bool: ...
+
+    def end_step(self, step: int) -> None: ...
+
+    def fold(self) -> None: ...
+
+    def read(self, *, lagged: bool, reduce: bool = True,
+             weights: bool = True) -> Reading | None: ...
+
+    def flush(self) -> Reading | None: ...
+
+
 class OnRead(Protocol):
-    def __call__(self, reading: Reading, step: int, *, in_step: bool, closure: bool) -> bool: ...
+    """What the clock hands each reading to (guard/step/reader.py's Reader)."""
+
+    def read(self, reading: Reading, step: int, *, when: When, now: int = 0,
+             in_step: bool = False, closure: bool = False) -> bool: ...
 
 
 def check_boundaries(policy: Policy, optimizer: object, steps: str) -> None:
@@ -77,11 +96,11 @@ def check_boundaries(policy: Policy, optimizer: object, steps: str) -> None:
 
 
 class StepClock:
-    """Counts steps, folds each step's loss, reads the flags when due and hands the reading on."""
+    """Counts steps, reads the flags when due and hands each reading to the reader."""
 
-    def __init__(self, probe: Probe, loss: StepLoss, flags: Flags, on_read: OnRead, *,
-                 boundary: Boundary, read_every: int = 1, may_lag: bool = False) -> None:
-        self.probe, self.loss, self.flags, self.on_read = probe, loss, flags, on_read
+    def __init__(self, device: Device, reader: OnRead, *, boundary: Boundary,
+                 read_every: int = 1, may_lag: bool = False) -> None:
+        self._device, self._reader = device, reader
         self.boundary = boundary
         self.read_every = read_every
         self.may_lag = may_lag
@@ -90,29 +109,35 @@ class StepClock:
         self._pending = False  # forward boundary: a forward ended, its boundary not yet run
 
     @classmethod
-    def from_policy(cls, policy: Policy, probe: Probe, on_read: OnRead, *,
+    def from_policy(cls, policy: Policy, device: Device, reader: OnRead, *,
                     optimizer: torch.optim.Optimizer | None, steps: Steps) -> StepClock:
         boundary: Boundary = ("manual" if steps == "manual"
                               else "optimizer" if optimizer is not None else "forward")
-        return cls(probe, probe.loss, probe.flags, on_read, boundary=boundary,
-                   read_every=policy.cadence.read_every, may_lag=policy.host_may_lag)
+        return cls(device, reader, boundary=boundary, read_every=policy.cadence.read_every,
+                   may_lag=policy.host_may_lag)
 
     def install(self, model: nn.Module,
                 optimizer: torch.optim.Optimizer | None) -> list[RemovableHandle]:
         """The hooks of this clock's boundary (none for `manual`)."""
         if self.boundary == "optimizer" and optimizer is not None:
-            return [optimizer.register_step_pre_hook(self._optimizer_pre)]
+            return [hook(optimizer, self._optimizer_pre, kind="step_pre")]
         if self.boundary != "forward":
             return []
-        eager_at_top_level(self._forward_end)
-        # Host work that may read the flags, so torch.compile must not trace it: disabled, it
-        # runs eagerly before the compiled frame of a compiled model; inlined into a larger
-        # compiled function it costs one graph break. Prepended: the boundary closes the
-        # previous step before this forward's hooks add to the flags.
-        start: Callable[..., None] = torch.compiler.disable(  # type: ignore[no-untyped-call]
-            self._forward_start)
-        return [model.register_forward_pre_hook(start, prepend=True),
-                model.register_forward_hook(self._forward_end)]
+        # The start may read the flags, so torch.compile must never trace it: it runs eagerly
+        # before the compiled frame of a compiled model; inlined into a larger compiled
+        # function it costs one graph break. Prepended: the boundary closes the previous step
+        # before this forward's hooks add to the flags.
+        return [hook(model, self._forward_start, kind="forward_pre", compiled="never",
+                     prepend=True),
+                hook(model, self._forward_end, kind="forward", compiled="eager")]
+
+    def start(self) -> None:
+        """At attach, before any hook: the weights as they are before step 1 (all ranks attach:
+        the read's one collective, so every rank repairs or stops alike)."""
+        if self._device.reads_at_attach:
+            reading = self._device.read(lagged=False)
+            if reading is not None:
+                self._reader.read(reading, 0, when="attach")
 
     def mark(self) -> None:
         """`g.step()`: a boundary now; without an optimizer hook, only g.step() marks them
@@ -122,40 +147,39 @@ class StepClock:
         self.tick()
 
     def tick(self, *, in_step: bool = False, closure: bool = False) -> bool:
-        """End the current step: fold its loss, read when due; True: drop this update.
+        """End the current step, read when due; True: drop this update.
 
         `in_step`: called from the optimizer's step pre-hook, before the weights change.
         """
         self.step += 1
-        self.probe.begin(self.step)
-        self.loss.fold()
-        self.flags.end_step()
+        self._device.end_step(self.step)
         if self.step % self.read_every:
             return False
         # On the CPU a copy to the host is the read itself: nothing to gain from lagging.
-        lagged = self.may_lag and self.flags.device.type == "cuda"
-        self.probe.check_weights()
-        reading = self.flags.read(lagged=lagged)
+        lagged = self.may_lag and self._device.device.type == "cuda"
+        reading = self._device.read(lagged=lagged)
         step = self._read_step if lagged else self.step
         self._read_step = self.step
         if reading is None:
             return False
-        return self.on_read(reading, step, in_step=in_step and not lagged, closure=closure)
+        return self._reader.read(reading, step, when="step", now=self.step,
+                                 in_step=in_step and not lagged, closure=closure)
 
-    def finish(self) -> Iterator[tuple[Reading, int]]:
-        """At detach: the readings still unread, with their steps, read locally (one rank may
-        detach alone, after an exception: a collective the others do not join would hang)."""
-        self.loss.fold()
+    def finish(self) -> None:
+        """At detach: the readings still unread, read locally (one rank may detach alone,
+        after an exception: a collective the others do not join would hang)."""
         if self._pending:  # a forward-boundary step that no next forward closed
             self._pending = False
             self.step += 1
-            self.flags.end_step()
-        queued = self.flags.flush()
+            self._device.end_step(self.step)
+        else:
+            self._device.fold()
+        queued = self._device.flush()
         if queued is not None:
-            yield queued, self._read_step
-        current = self.flags.read(lagged=False, reduce=False)
+            self._reader.read(queued, self._read_step, when="detach", now=self.step)
+        current = self._device.read(lagged=False, reduce=False, weights=False)
         if current is not None and self.step > self._read_step:
-            yield current, self.step
+            self._reader.read(current, self.step, when="detach", now=self.step)
 
     # -- boundary hooks ----------------------------------------------------------------------
 

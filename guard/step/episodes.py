@@ -8,18 +8,24 @@ else by flag hooks armed for the next training forward. A clean read ends the ep
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from guard.device.compile import eager_at_top_level
-from guard.device.flags import Flags
+from guard.device.hooks import hook
 from guard.policy import Action, Policy
 from guard.step.localise import Inputs, Localiser, capture, rerun
 from guard.step.verdict import Note, Verdict
 
 __all__ = ["Episodes"]
+
+
+class _OnDevice(Protocol):
+    @property
+    def device(self) -> torch.device: ...
+
 
 class Episodes:
     """Annotates nonfinite violations with the module; state across reads of one run."""
@@ -40,16 +46,16 @@ class Episodes:
             return None
         return cls(model, policy.action("nonfinite"))
 
-    def install(self, flags: Flags) -> list[RemovableHandle]:
+    def install(self, on: _OnDevice) -> list[RemovableHandle]:
         """Keep each training forward's inputs for a re-run (only useful where reads are
-        synchronous in the optimizer's step pre-hook); `flags` follow the model's device."""
-        self._flags = flags
-        eager_at_top_level(self._keep)
-        return [self.model.register_forward_pre_hook(self._keep, with_kwargs=True)]
+        synchronous in the optimizer's step pre-hook); `on.device`: where the model runs."""
+        self._on = on
+        return [hook(self.model, self._keep, kind="forward_pre", compiled="eager",
+                     with_kwargs=True)]
 
     def _keep(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training:  # references, no copy
-            self.inputs = capture(args, kwargs, self._flags.device.type)
+            self.inputs = capture(args, kwargs, self._on.device.type)
 
     def close(self) -> None:
         if self._armed is not None:

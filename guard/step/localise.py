@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from guard.device.hooks import hook
 from guard.device.sharded import register_sharded
 
 __all__ = ["Finding", "Inputs", "Localiser", "any_nonfinite", "capture", "rerun"]
@@ -95,7 +96,7 @@ class Localiser:
 
     def arm(self) -> None:
         for name, module in self.model.named_modules():
-            self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
+            self.handles.append(hook(module, self._hook(name), kind="forward", with_kwargs=True))
 
     def disarm(self) -> None:
         for h in self.handles:

@@ -4,16 +4,21 @@ clipped to its limits, so a sink never sees a report the server would reject."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 import uuid
 from collections import Counter
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any, cast, get_args
 
+from annotated_types import Ge, Le
+
+from guard.checks import SPECS
+from guard.device.reading import LAYOUT, Values
 from guard.policy import CHECKS, Action, Policy, default_run_id
 from guard.sinks import Sink
-from guard.step.reading import Values
 from guard.step.verdict import Note, Verdict, Violation
 from guard.vocab.sizes import Audit
 from guard_server.wire import (
@@ -24,8 +29,6 @@ from guard_server.wire import (
     ActionName,
     CheckName,
     Event,
-    NonFinite,
-    OutOfRange,
     ReportBatch,
     StepReport,
     VocabSizes,
@@ -41,33 +44,49 @@ _LOG_FIRST, _LOG_EVERY = 5, 100
 
 # The prefix of the guard's figures in a training framework's own logs (Record.scalars).
 LOG_PREFIX = "guard/"
+# Figures a trainer's loggers get from the trainer itself.
+_NOT_LOGGED = frozenset({"loss"})
+
+
+def _figures(values: Values) -> dict[str, Any]:
+    """Every spec's figures for `g.stats` and the wire, named as there (guard/checks/)."""
+    out: dict[str, Any] = {}
+    for spec in SPECS:
+        out.update(spec.stats(values[spec]))
+    return out
 
 
 def empty_stats() -> dict[str, Any]:
-    """`g.stats` before the first read (DESIGN.md, Public API)."""
-    return {
-        "step": 0,
-        "loss": None,
-        "padding_mass": None,
-        "padding_mass_max": None,
-        "nonfinite": {"logits": 0, "hidden": 0, "loss": 0},
-        "out_of_range": {"input": 0, "label": 0},
-        "violations": {},
-        "skipped_steps": 0,
-    }
+    """`g.stats` before the first read (DESIGN.md, Public API): gauges None, counts 0."""
+    zero = _figures(LAYOUT.values([0.0] * len(LAYOUT)))
+    gauges = {k: None for k, v in zero.items() if not isinstance(v, Mapping)}
+    counts = {k: dict(v) for k, v in zero.items() if isinstance(v, Mapping)}
+    return {"step": 0, **gauges, **counts, "violations": {}, "skipped_steps": 0}
 
 
 def _count(n: int) -> int:
     return min(n, MAX_COUNT)
 
 
-def _finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
+@functools.cache
+def _bounds(name: str) -> tuple[float, float]:
+    """The bounds the wire puts on the float field `name` of a StepReport (a ratio's [0, 1])."""
+    field = StepReport.model_fields[name]
+    # `Annotated[float, Field(ge=..)] | None`: the constraints sit on the Annotated member.
+    metadata = [*field.metadata, *(m for arg in get_args(field.annotation)
+                                   for info in getattr(arg, "__metadata__", ())
+                                   for m in getattr(info, "metadata", ()))]
+    lo = next((m.ge for m in metadata if isinstance(m, Ge)), -math.inf)
+    hi = next((m.le for m in metadata if isinstance(m, Le)), math.inf)
+    return float(cast(float, lo)), float(cast(float, hi))
 
 
-def _ratio(x: float | None) -> float | None:
-    x = _finite(x)
-    return None if x is None else min(max(x, 0.0), 1.0)
+def _gauge(name: str, x: float | None) -> float | None:
+    """A gauge for the wire: None unless finite, clipped to the field's bounds."""
+    if x is None or not math.isfinite(x):
+        return None
+    lo, hi = _bounds(name)
+    return min(max(x, lo), hi)
 
 
 def _event(n: Note) -> Event:
@@ -104,25 +123,21 @@ class Record:
     @property
     def stats(self) -> dict[str, Any]:
         """A plain-dict copy (DESIGN.md, Public API)."""
-        s = dict(self._stats)
-        s["nonfinite"] = dict(s["nonfinite"])
-        s["out_of_range"] = dict(s["out_of_range"])
+        s = {k: dict(v) if isinstance(v, dict) else v for k, v in self._stats.items()}
         s["violations"] = {c: dict(a) for c, a in self._violations.items()}
         return s
 
     def update(self, values: Values, step: int) -> None:
-        """This rank's values of one read: the gauges as of now, the counters added."""
+        """This rank's figures of one read: the gauges as of now (unless the window measured
+        none), the counts added."""
         s = self._stats
         s["step"] = step
-        if values.loss is not None:
-            s["loss"] = values.loss
-        if values.padding_mass is not None:
-            s["padding_mass"] = values.padding_mass
-            s["padding_mass_max"] = values.padding_mass_max
-        for key, n in values.nonfinite.items():
-            s["nonfinite"][key] += n
-        for key, n in values.out_of_range.items():
-            s["out_of_range"][key] += n
+        for name, value in _figures(values).items():
+            if isinstance(value, Mapping):
+                for kind, n in value.items():
+                    s[name][kind] += n
+            elif value is not None:
+                s[name] = value
 
     def add(self, verdict: Verdict) -> None:
         """Count each violation, keep it for the next report, log it (rate-limited)."""
@@ -160,17 +175,20 @@ class Record:
         violations = {c: {a: _count(n) for a, n in actions.items()}
                       for c, actions in self._violation_counts().items()}
         events, self._events = self._events[-MAX_EVENTS:], []
+        figures: dict[str, Any] = {
+            name: {k: _count(n) for k, n in value.items()} if isinstance(value, Mapping)
+            else _gauge(name, value) for name, value in self._figures_held().items()}
         return StepReport(
-            attach_id=self.attach_id, step=_count(s["step"]), timestamp=time.time(),
-            loss=_finite(s["loss"]),
-            padding_mass=_ratio(s["padding_mass"]),
-            padding_mass_max=_ratio(s["padding_mass_max"]),
-            nonfinite=NonFinite(**{k: _count(n) for k, n in s["nonfinite"].items()}),
-            out_of_range=OutOfRange(**{k: _count(n) for k, n in s["out_of_range"].items()}),
+            attach_id=self.attach_id, step=_count(s["step"]), timestamp=time.time(), **figures,
             violations=cast(dict[CheckName, dict[ActionName, int]], violations),
             skipped_steps=_count(s["skipped_steps"]),
             halted=cast(CheckName | None, self.halted), vocab=self.vocab, dropped_reports=0,
             final=final, events=events)
+
+    def _figures_held(self) -> dict[str, Any]:
+        """The specs' figures as of now: g.stats less its own keys."""
+        return {k: v for k, v in self._stats.items()
+                if k not in ("step", "violations", "skipped_steps")}
 
     def scalars(self) -> dict[str, float]:
         """The last read as one flat dict for a trainer's loggers: `guard/<name>` named as on
@@ -184,11 +202,11 @@ class Record:
         if s["step"] < 1:
             return {}
         out: dict[str, float] = {"step": s["step"]}
-        for key in ("padding_mass", "padding_mass_max"):
-            if s[key] is not None:  # None: no position sampled (check off, or no padding)
-                out[key] = s[key]
-        out.update({f"nonfinite/{k}": n for k, n in s["nonfinite"].items()})
-        out.update({f"out_of_range/{k}": n for k, n in s["out_of_range"].items()})
+        for name, value in self._figures_held().items():
+            if isinstance(value, Mapping):
+                out.update({f"{name}/{k}": n for k, n in value.items()})
+            elif value is not None and name not in _NOT_LOGGED:
+                out[name] = value  # None: nothing measured (check off, or no padding)
         for check, actions in self._violation_counts().items():
             out.update({f"violations/{check}/{a}": n for a, n in actions.items()})
         out["skipped_steps"] = s["skipped_steps"]

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
 from guard.errors import AttachError
-from guard.vocab.sizes import Audit, audit_sizes, real_vocab
 
-__all__ = ["Heads", "audit", "discover", "unwrap", "unwrap_compiled"]
+__all__ = ["Heads", "discover", "find_heads", "unwrap", "unwrap_compiled"]
 
 # Names used by nanoGPT, HF, Llama-style and Megatron-style code for the output projection.
 _HEAD_NAMES = ("lm_head", "output", "head", "output_layer", "embed_out", "cls")
@@ -205,11 +203,9 @@ def discover(
     return heads
 
 
-def audit(model: nn.Module, *, vocab_size: int | None = None, tokenizer: Any = None,
-          tensor_parallel: int = 1, pad_multiple: int = 64, embedding: nn.Module | None = None,
-          lm_head: nn.Module | None = None) -> Audit:
-    """The three vocab sizes of `model`, tied or not, and alignment for TP 1/2/4/8."""
-    heads = discover(unwrap(model), embedding=embedding, lm_head=lm_head)
-    real = real_vocab({"vocab_size=": vocab_size}, tokenizer, heads.head_rows)
-    return audit_sizes(real=real, rows=heads.head_rows, embedding_rows=heads.embedding_rows,
-                       tied=heads.tied, pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
+
+def find_heads(model: object, *, embedding: nn.Module | None = None,
+               lm_head: nn.Module | None = None) -> Heads:
+    """The embedding and the lm_head `attach` would hook in `model` (under any wrapper), with
+    their names."""
+    return discover(unwrap(model), embedding=embedding, lm_head=lm_head)

@@ -17,7 +17,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from guard_server.errors import SettingsError
-from guard_server.series import MAX_SERIES_PER_RANK
+from guard_server.families import MAX_SERIES_PER_RANK
 from guard_server.wire import MAX_EVENTS
 
 __all__ = ["ENV_PREFIX", "Settings"]

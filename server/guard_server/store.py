@@ -4,72 +4,33 @@ budget in bytes as well as in count.
 Per (run, rank) the store keeps the state of one attach (`attach_id` on every report): a
 report of another attach replaces it at once, so a restarted trainer is visible on the next
 scrape whatever step the old one had reached. Within one attach the highest step wins, and a
-step moves ahead no faster than a token bucket allows (`_step_allowance`).
+step moves ahead no faster than a token bucket allows (guard_server/allowance.py). What it may
+hold in all is the budget's (guard_server/budget.py).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
 
+from guard_server.allowance import StepAllowance
+from guard_server.budget import Budget, Over, event_bytes, report_bytes, run_bytes
 from guard_server.errors import CapacityError, StepJumpError
-from guard_server.series import series_of
+from guard_server.families import series_of
+from guard_server.rejections import Rejections, RejectReason
 from guard_server.settings import Settings
 from guard_server.wire import Event, ReportBatch, StepReport
 
-__all__ = ["REJECT_REASONS", "RankView", "RejectReason", "Snapshot", "Store", "event_bytes"]
+__all__ = ["RankView", "Snapshot", "Store"]
 
 log = logging.getLogger("guard_server")
 
-RejectReason = Literal[
-    "unauthorized",
-    "not_json",
-    "too_large",
-    "busy",
-    "timeout",
-    "disconnected",
-    "invalid",
-    "implausible_step",
-    "over_capacity",
-    "over_budget",
-]
-REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
 # Ingest sweeps for expired ranks at most this often; scrapes and reads always sweep.
 _SWEEP_EVERY_S = 1.0
-
-# Estimated bytes held, upper bounds measured with tracemalloc on CPython 3.11 / pydantic 2
-# (tests/server/test_store.py checks them against tracemalloc): a stored report is ~3.0 KiB
-# plus its violation counts, an event ~1 KiB plus its strings.
-_RANK_BYTES = 3200 + 1024  # the report, the rank's slot, its event deque
-_CHECK_BYTES = 250  # one check's dict of actions in `violations`
-_COUNT_BYTES = 100  # one (action, count) entry
-_EVENT_BYTES = 1100
-_RUN_BYTES = 512  # the run's dict of ranks
-
-
-def event_bytes(event: Event) -> int:
-    """Estimated bytes one stored event holds (its strings measured, not guessed)."""
-    module = 0 if event.module is None else sys.getsizeof(event.module)
-    return _EVENT_BYTES + sys.getsizeof(event.message) + module
-
-
-def _report_bytes(report: StepReport) -> int:
-    counts = sum(len(by_action) for by_action in report.violations.values())
-    return _RANK_BYTES + _CHECK_BYTES * len(report.violations) + _COUNT_BYTES * counts
-
-
-def _run_bytes(run_id: str) -> int:
-    return _RUN_BYTES + sys.getsizeof(run_id)
-
-
-class _Full(Exception):
-    """A cap or the budget is reached before a full sweep: sweep, then try once more."""
 
 
 @dataclass(slots=True)
@@ -82,8 +43,7 @@ class _Rank:
     events: deque[Event]
     nbytes: int
     series: int  # what `latest` puts on /metrics
-    allowance: float  # steps `latest.step` may still move ahead, as of `allowance_at`
-    allowance_at: float
+    allowance: StepAllowance  # how far `latest.step` may still move ahead
     warned: bool = False  # two writers on this rank were logged (kept with the rank, no longer)
 
 
@@ -114,14 +74,12 @@ class Store:
 
     def __init__(self, settings: Settings | None = None, *, clock: Callable[[], float] = time.time):
         self.settings = settings if settings is not None else Settings()
+        self.rejections = Rejections()  # the ingest route counts its refusals here too
         self._clock = clock
         self._lock = threading.Lock()
         self._runs: dict[str, dict[int, _Rank]] = {}
-        self._nranks = 0
-        self._bytes = 0
-        self._series = 0
+        self._budget = Budget(self.settings)
         self._reports_total = 0
-        self._rejected: dict[RejectReason, int] = dict.fromkeys(REJECT_REASONS, 0)
         self._last_sweep = float("-inf")
 
     def ingest(self, batch: ReportBatch) -> None:
@@ -132,18 +90,15 @@ class Store:
         now = self._clock()
         with self._lock:
             self._sweep(now, force=False)
-            try:
-                self._store(batch, latest, now, swept=False)
-            except _Full:
+            over = self._store(batch, latest, now)
+            if over is not None:
                 # Expired ranks may be all that fills a cap; only a full sweep can tell.
                 self._sweep(now, force=True)
-                self._store(batch, latest, now, swept=True)
+                over = self._store(batch, latest, now)
+            if over is not None:
+                self.rejections.count(over.reason)
+                raise CapacityError(batch.run_id, batch.rank, over.limit, scope=over.scope)
             self._reports_total += len(batch.reports)
-
-    def reject(self, reason: RejectReason) -> None:
-        """Count a request rejected before it reached `ingest`."""
-        with self._lock:
-            self._rejected[reason] += 1
 
     def snapshot(self, run_id: str | None = None) -> Snapshot:
         """Copy the live state (of one run, or all), sorted by run and rank."""
@@ -155,84 +110,92 @@ class Store:
                 for rid, by_rank in runs
                 for rank, s in by_rank.items()
             ]
-            counts = (self._reports_total, dict(self._rejected), self._bytes)
+            total, held = self._reports_total, self._budget.bytes
         ranks.sort(key=lambda v: (v.run_id, v.rank))
-        return Snapshot(ranks, counts[0], counts[1], counts[2])
+        return Snapshot(ranks, total, self.rejections.snapshot(), held)
 
     def size(self) -> tuple[int, int]:
         """(runs, ranks) held now, expired ones included until the next sweep."""
         with self._lock:
-            return len(self._runs), self._nranks
+            return len(self._runs), self._budget.ranks
 
     @property
     def held_bytes(self) -> int:
         """Estimated bytes of state held now (what GUARD_SERVER_MAX_BYTES bounds)."""
         with self._lock:
-            return self._bytes
+            return self._budget.bytes
 
     @property
     def held_series(self) -> int:
         """Series the ranks held now put on /metrics (what GUARD_SERVER_MAX_SERIES bounds)."""
         with self._lock:
-            return self._series
+            return self._budget.series
 
     # -- under the lock ----------------------------------------------------------------------
 
-    def _store(self, batch: ReportBatch, latest: StepReport, now: float, *, swept: bool) -> None:
+    def _store(self, batch: ReportBatch, latest: StepReport, now: float) -> Over | None:
+        """Store the batch, or return the cap it would pass (nothing stored)."""
         ranks = self._runs.get(batch.run_id)
         state = ranks.get(batch.rank) if ranks is not None else None
-        attach = latest.attach_id
         own = batch.reports
-        if any(r.attach_id != attach for r in own):  # rare: a sender that re-attached
-            own = [r for r in own if r.attach_id == attach]
-        if state is not None and state.attach_id == latest.attach_id:
-            allowance = self._step_allowance(batch, state, latest, now)
-            self._update(batch, own, state, latest, now, swept=swept)
-            state.allowance, state.allowance_at = allowance, max(now, state.allowance_at)
-        else:
-            self._replace(batch, own, state, latest, now, swept=swept)
+        if any(r.attach_id != latest.attach_id for r in own):  # rare: a sender that re-attached
+            own = [r for r in own if r.attach_id == latest.attach_id]
+        if state is None or state.attach_id != latest.attach_id:
+            return self._replace(batch, own, state, latest, now)
+        rate, burst = self.settings.max_step_rate, float(self.settings.step_burst)
+        left = state.allowance.left_after(latest.step - state.latest.step, now, rate=rate,
+                                          burst=burst)
+        if left is None:
+            self.rejections.count("implausible_step")
+            bound = state.latest.step + state.allowance.bound(now, rate=rate, burst=burst)
+            raise StepJumpError(batch.run_id, batch.rank, batch.reports.index(latest),
+                                latest.step, bound)
+        over = self._update(own, state, latest, now)
+        if over is None:
+            state.allowance.keep(left, now)
+        return over
 
-    def _update(
-        self, batch: ReportBatch, own: list[StepReport], state: _Rank, latest: StepReport,
-        now: float, *, swept: bool,
-    ) -> None:
+    def _update(self, own: list[StepReport], state: _Rank, latest: StepReport,
+                now: float) -> Over | None:
         """A batch of the attach the rank already has: the highest step wins."""
         events = _events_after(state.events, own, self.settings.events_per_rank)
         superseded = latest.step >= state.latest.step
         nbytes, series = state.nbytes, state.series
         if superseded:
-            nbytes += _report_bytes(latest) - _report_bytes(state.latest)
+            nbytes += report_bytes(latest) - report_bytes(state.latest)
             series = series_of(latest)
         if events is not None:
             nbytes += sum(map(event_bytes, events)) - sum(map(event_bytes, state.events))
-        self._admit(batch, nbytes - state.nbytes, series - state.series, swept=swept)
+        if (over := self._budget.over(nbytes - state.nbytes, series - state.series)) is not None:
+            return over
         if superseded:
             state.latest = _without_events(latest)
         if events is not None:
             state.events.clear()
             state.events.extend(events)
-        self._bytes += nbytes - state.nbytes
-        self._series += series - state.series
+        self._budget.add(nbytes - state.nbytes, series - state.series)
         state.nbytes, state.series = nbytes, series
         state.last_seen = now
         state.finished_at = now if state.latest.final else None
+        return None
 
-    def _replace(
-        self, batch: ReportBatch, own: list[StepReport], old: _Rank | None, latest: StepReport,
-        now: float, *, swept: bool,
-    ) -> None:
+    def _replace(self, batch: ReportBatch, own: list[StepReport], old: _Rank | None,
+                 latest: StepReport, now: float) -> Over | None:
         """A rank never seen, or a new attach of it: its state starts over from this batch."""
         keep = self.settings.events_per_rank
         events = _events_after((), own, keep) or []
-        nbytes = _report_bytes(latest) + sum(map(event_bytes, events))
+        nbytes = report_bytes(latest) + sum(map(event_bytes, events))
         series = series_of(latest)
         growth = nbytes - (old.nbytes if old is not None else 0)
         new_series = series - (old.series if old is not None else 0)
-        new_run = batch.run_id not in self._runs
-        growth += _run_bytes(batch.run_id) if new_run else 0
+        ranks = self._runs.get(batch.run_id)
+        growth += run_bytes(batch.run_id) if ranks is None else 0
+        over = None
         if old is None:
-            self._check_capacity(batch, swept=swept)
-        self._admit(batch, growth, new_series, swept=swept)
+            over = self._budget.over_cap(len(self._runs), None if ranks is None else len(ranks))
+        over = over or self._budget.over(growth, new_series)
+        if over is not None:
+            return over
         previous, warned = None, False
         if old is not None:
             previous, warned = old.attach_id, self._note_replaced(batch, old, latest)
@@ -240,51 +203,10 @@ class Store:
             attach_id=latest.attach_id, previous=previous, latest=_without_events(latest),
             last_seen=now, finished_at=now if latest.final else None,
             events=deque(events, maxlen=keep), nbytes=nbytes, series=series,
-            allowance=float(self.settings.step_burst), allowance_at=now, warned=warned,
+            allowance=StepAllowance(float(self.settings.step_burst), now), warned=warned,
         )
-        self._nranks += old is None
-        self._bytes += growth
-        self._series += new_series
-
-    def _admit(self, batch: ReportBatch, growth: int, new_series: int, *, swept: bool) -> None:
-        """Refuse `growth` more bytes, or `new_series` more series, past GUARD_SERVER_MAX_BYTES
-        or GUARD_SERVER_MAX_SERIES."""
-        over_bytes = growth > 0 and self._bytes + growth > self.settings.state_bytes
-        over_series = new_series > 0 and self._series + new_series > self.settings.max_series
-        if not (over_bytes or over_series):
-            return
-        if not swept:
-            raise _Full
-        if over_bytes:
-            self._rejected["over_budget"] += 1
-            raise CapacityError(batch.run_id, batch.rank, self.settings.max_bytes, scope="bytes")
-        self._rejected["over_capacity"] += 1
-        raise CapacityError(batch.run_id, batch.rank, self.settings.max_series, scope="series")
-
-    def _step_allowance(
-        self, batch: ReportBatch, state: _Rank, latest: StepReport, now: float
-    ) -> float:
-        """What is left of the rank's step allowance once this batch moves its step; refuse a
-        step further ahead than the allowance (StepJumpError).
-
-        A token bucket per rank: it holds up to GUARD_SERVER_STEP_BURST steps, refills at
-        GUARD_SERVER_MAX_STEP_RATE a second, and each accepted move spends its size. Over any
-        t seconds a rank's step moves at most STEP_BURST + MAX_STEP_RATE * t, however many
-        reports carry it: a bound that started over at each report let 200 reports of +10,000
-        (with the attach_id any reader sees) take a rank to step 2,000,006 in 5 s.
-        """
-        rate, burst = self.settings.max_step_rate, float(self.settings.step_burst)
-        if rate is None:
-            return burst
-        refill = rate * max(now - state.allowance_at, 0.0)
-        allowance = min(state.allowance + refill, burst)
-        move = latest.step - state.latest.step
-        if move > allowance:
-            self._rejected["implausible_step"] += 1
-            index = batch.reports.index(latest)
-            bound = state.latest.step + int(allowance)
-            raise StepJumpError(batch.run_id, batch.rank, index, latest.step, bound)
-        return allowance - max(move, 0)
+        self._budget.add(growth, new_series, ranks=old is None)
+        return None
 
     def _note_replaced(self, batch: ReportBatch, old: _Rank, latest: StepReport) -> bool:
         """Log two live writers on one rank, once while the rank is held; True once logged."""
@@ -298,26 +220,6 @@ class Store:
             )
             return True
         return old.warned
-
-    def _check_capacity(self, batch: ReportBatch, *, swept: bool) -> None:
-        # Caller holds the lock and has found no state for this rank.
-        over = self._over_cap(batch)
-        if over is not None and not swept:
-            raise _Full
-        if over is not None:
-            self._rejected["over_capacity"] += 1
-            scope, limit = over
-            raise CapacityError(batch.run_id, batch.rank, limit, scope=scope)
-
-    def _over_cap(self, batch: ReportBatch) -> tuple[str, int] | None:
-        if self._nranks >= self.settings.max_ranks:
-            return "ranks_total", self.settings.max_ranks
-        ranks = self._runs.get(batch.run_id)
-        if ranks is None:
-            limit = self.settings.max_runs
-            return ("runs", limit) if len(self._runs) >= limit else None
-        limit = self.settings.max_ranks_per_run
-        return ("ranks", limit) if len(ranks) >= limit else None
 
     def _sweep(self, now: float, *, force: bool) -> None:
         # Caller holds the lock. O(ranks), hence rate-limited on the ingest path.
@@ -334,12 +236,10 @@ class Store:
                 or (s.finished_at is not None and now - s.finished_at >= finished_ttl)
             ]:
                 gone = ranks.pop(rank)
-                self._bytes -= gone.nbytes
-                self._series -= gone.series
-                self._nranks -= 1
+                self._budget.add(-gone.nbytes, -gone.series, ranks=-1)
             if not ranks:
                 del self._runs[run_id]
-                self._bytes -= _run_bytes(run_id)
+                self._budget.add(-run_bytes(run_id), 0)
 
 
 def _latest_of(batch: ReportBatch) -> StepReport:

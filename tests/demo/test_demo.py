@@ -10,7 +10,8 @@ import torch
 
 from guard.cli import main
 from guard.demo.data import Corpus
-from guard.demo.scenarios import REAL, ROWS, SCENARIOS, build, uninitialised
+from guard.demo.padded import build, uninitialised
+from guard.demo.scenarios import REAL, ROWS, SCENARIOS
 
 Arms = dict[str, dict[str, Any]]
 

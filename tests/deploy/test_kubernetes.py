@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from guard.policy_file import coerce_policy
+from guard.policy_file import load_policy
 from tests.dashboards.conftest import Run
 from tests.dashboards.queries import ROOT
 
@@ -112,7 +112,7 @@ def test_the_crd_check_rejects_a_misspelt_field(
 
 def test_the_configmap_policy_is_one_the_guard_accepts() -> None:
     config = by_kind()["ConfigMap"][0]
-    policy = coerce_policy(yaml.safe_load(config["data"]["guard.yaml"]))
+    policy = load_policy(yaml.safe_load(config["data"]["guard.yaml"]))
     assert policy.export.serve == f"0.0.0.0:{GUARD_PORT}"  # reachable from Prometheus
     assert policy.export.push is None
 

@@ -30,7 +30,7 @@ def train(model: nn.Module, steps: int, *, g: guard.Guard | None = None,
         xb, yb = (x, y) if x is not None and y is not None else batch(seed=i)
         _, loss = model(xb, yb)
         loss.backward()
-        if g is not None and g.optimizer is None:
+        if g is not None:  # a guard attached without the optimizer: g.step marks the step
             g.step(loss)
         opt.step()
         opt.zero_grad()
@@ -327,18 +327,31 @@ def test_violation_pickles_with_its_data() -> None:
 
 
 def test_hooks_never_read_a_tensor_to_the_host() -> None:
+    """Every hook the guard registers runs inside no_host_reads: the probe's, the clock's
+    forward boundary, the kept inputs for a re-run, and the localiser's flag hooks on every
+    module (armed by a NaN that a read could not localise at once)."""
     m = tiny_gpt(garbage=0.5)
     x, y = batch()
     x[0, 0] = 110
     pol = {**ALL_WARN, "checks": {**ALL_WARN["checks"], "padding_mass": {"action": "mask"}}}
     with guard.attach(m, policy=pol, vocab_size=100) as g:
-        g.step()  # explicit boundaries: forward and backward below run hooks only
+        _, loss = m(x, y)
+        before = hook_count(m)
+        g.step(loss * float("nan"))  # nonfinite warns and arms the localiser for next time
+        assert hook_count(m) > before + len(list(m.modules())) - 1
         with no_host_reads():
             for _ in range(2):
                 _, loss = m(x, y)
                 loss.backward()  # the model's loss: recorded by its hook
         g.step()
-        assert g.stats["out_of_range"]["input"] == 2 and g.stats["padding_mass"] > 0
+        assert g.stats["out_of_range"]["input"] == 3 and g.stats["padding_mass"] > 0
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with guard.attach(m, policy=pol, vocab_size=100, optimizer=opt) as g:
+        with no_host_reads():  # the optimizer's boundary: forwards and backwards run hooks only
+            _, loss = m(x, y)
+            loss.backward()
+        opt.step()
+        assert g.stats["step"] == 1
     # and the guard really would have been caught:
     with pytest.raises(AssertionError, match="host read"), no_host_reads():
         torch.ones(1).item()

@@ -61,9 +61,14 @@ def test_serve_audit_and_targets_start_without_torch(tmp_path: Path) -> None:
 def test_demo_help_lists_both_scenarios(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])
+    from guard.demo.scenarios import SCENARIOS
+
     out = " ".join(capsys.readouterr().out.split())
     assert "--scenario {seed,nan}" in out
     assert "seed (default):" in out and "nan:" in out
+    # The help is the scenarios' own text, and the description counts the demo's arms.
+    assert all(" ".join(s.summary.split()) in out for s in SCENARIOS.values())
+    assert "four times" in out and "collapses" not in out
 
 
 @pytest.mark.parametrize(("argv", "scenario"), [([], "seed"), (["--scenario", "nan"], "nan")])

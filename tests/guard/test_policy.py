@@ -8,7 +8,6 @@ import pytest
 import guard
 from guard import PolicyError, load_policy
 from guard.policy import Policy
-from guard.policy_file import coerce_policy
 
 YAML = """\
 run_id: gpt-small-001
@@ -118,11 +117,11 @@ def test_bad_toml_json_and_extension(tmp_path: Path) -> None:
 
 def test_policy_error_is_a_value_error_and_a_guard_error() -> None:
     with pytest.raises(ValueError):
-        coerce_policy({"checks": {"vocab": {"action": "mask"}}})
+        load_policy({"checks": {"vocab": {"action": "mask"}}})
     with pytest.raises(guard.GuardError, match="<dict>"):
-        coerce_policy({"nope": 1})
+        load_policy({"nope": 1})
     with pytest.raises(PolicyError, match="must be a Policy, dict or path"):
-        coerce_policy(42)  # type: ignore[arg-type]
+        load_policy(42)  # type: ignore[arg-type]
 
 
 def test_serve_address_adds_local_rank() -> None:

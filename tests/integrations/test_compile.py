@@ -124,7 +124,7 @@ def test_attach_to_an_already_compiled_module() -> None:
     m = tiny_gpt(garbage=0.5)
     compiled = torch.compile(m, backend="eager")
     with guard.attach(compiled, policy=SAMPLED, vocab_size=100) as g:
-        assert g.model is m and g.heads.lm_head is m.lm_head  # hooks on the original
+        assert g.model is m and g.lm_head is m.lm_head  # hooks on the original
         with pytest.raises(AttachError, match="already attached"):
             guard.attach(m, policy=SAMPLED, vocab_size=100)
         compiled(*batch())

@@ -19,13 +19,11 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
 from transformers import (  # noqa: E402
     Trainer,
     TrainerCallback,
-    TrainerControl,
-    TrainerState,
     TrainingArguments,
 )
 
 from guard.integrations import lightning as pl_guard  # noqa: E402
-from guard.integrations.transformers import GuardCallback  # noqa: E402
+from guard.integrations.transformers import GuardCallback, guard_trainer  # noqa: E402
 from tests.conftest import no_host_reads, policy  # noqa: E402
 from tests.integrations.test_lightning import LM, loader  # noqa: E402
 from tests.integrations.test_transformers import examples, gpt2, word_tokenizer  # noqa: E402
@@ -45,13 +43,17 @@ KEYS = {"step", "padding_mass", "padding_mass_max", "nonfinite/logits", "nonfini
         "violations/nonfinite/fail", "violations/token_range/warn", "violations/coverage/warn"}
 
 
-class StrictGuardCallback(GuardCallback):
+def strict(cb: GuardCallback) -> GuardCallback:
     """The real callback, its logging under no_host_reads(): every way a tensor reaches the
     host raises, so the figures must come from what the guard's own read left there."""
+    on_log = cb.on_log
 
-    def on_log(self, *args: Any, **kwargs: Any) -> None:
+    def logging_strictly(*args: Any, **kwargs: Any) -> None:
         with no_host_reads():
-            super().on_log(*args, **kwargs)
+            on_log(*args, **kwargs)
+
+    cb.on_log = logging_strictly  # type: ignore[method-assign]
+    return cb
 
 
 class LogsSeen(TrainerCallback):
@@ -96,10 +98,10 @@ def test_hf_trainer_reports_the_guard_figures_to_tensorboard(tmp_path: Path) -> 
     tok = word_tokenizer()
     real = len(tok)
     model = gpt2(real, garbage=1.0)  # padding rows of garbage: mass on the padding columns
-    cb = StrictGuardCallback(policy=WARN)
-    seen = LogsSeen()  # listed before the guard's: it must see the figures too
-    t = hf_trainer(tmp_path, model, tok, examples(tok, ghost=real + 3), [seen, cb],
+    seen = LogsSeen()  # a user's callback that logs: it must see the figures too
+    t = hf_trainer(tmp_path, model, tok, examples(tok, ghost=real + 3), [seen],
                    report_to=["tensorboard"])  # event files under output_dir/runs/
+    cb = strict(guard_trainer(t, policy=WARN))
     t.train()
     g = cb.guard
     assert g is not None
@@ -133,9 +135,9 @@ def test_hf_trainer_reports_the_guard_figures_to_tensorboard(tmp_path: Path) -> 
     assert [e["guard/out_of_range/label"] for e in train_logs] == [4.0, 8.0, 12.0]
     totals = next(e for e in seen.seen if "train_runtime" in e)
     assert not any(k.startswith("guard/") for k in totals)  # step 3's figures went already
-    # The guard moved itself ahead of the first logging callback; the others keep their order.
+    # guard_trainer put it ahead of the first logging callback; the others keep their order.
     names = [type(c).__name__ for c in t.callback_handler.callbacks]
-    assert names == ["DefaultFlowCallback", "StrictGuardCallback", "TensorBoardCallback",
+    assert names == ["DefaultFlowCallback", "GuardCallback", "TensorBoardCallback",
                      "LogsSeen", "PrinterCallback"]
 
 
@@ -216,19 +218,18 @@ def test_lightning_writes_the_guard_figures_to_tensorboard(tmp_path: Path) -> No
     assert [v for _, v in tb["violations/padding_mass/warn"]] == [1, 2, 3]
 
 
-def test_hf_callback_called_outside_a_trainers_handler_says_where_figures_go(
+def test_hf_callback_given_as_callbacks_says_what_needs_the_trainer(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """No CallbackHandler up the stack (a wrapper that calls the callback itself): the figures
-    cannot be put ahead of the reporters, and the warning gives the ordering that works; no
-    Trainer either, so a compute_loss_func's loss cannot be fed to the guard: said too."""
+    """Given in callbacks=[...] (or called by a wrapper), the callback has no Trainer: it runs
+    after the reporters and cannot wrap a compute_loss_func, and says so with the fix."""
     tok = word_tokenizer()
     model = gpt2(len(tok))
     cb = GuardCallback(policy=WARN)
-    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cb.on_train_begin(args, TrainerState(), TrainerControl(), model=model,
-                      processing_class=tok, optimizer=opt)
-    cb.on_train_end(args, TrainerState(), TrainerControl())
-    assert "callbacks=[GuardCallback(...), TensorBoardCallback()]" in caplog.text
-    assert "could not find the Trainer, so the loss of a compute_loss_func goes unseen" in \
-        caplog.text
+    t = hf_trainer(tmp_path, model, tok, examples(tok), [cb], report_to=["tensorboard"])
+    t.train()
+    assert "GuardCallback was given as callbacks=[...], so it runs after the report_to " \
+           "callbacks (they log no guard/ figures) and cannot see a compute_loss_func's loss" \
+           in caplog.text
+    assert "use guard.integrations.transformers.guard_trainer(trainer, ...)" in caplog.text
+    assert not scalars(tmp_path, "train/")  # indeed: no figures reached TensorBoard
+    assert cb.guard is not None and cb.guard.stats["step"] == STEPS  # guarded all the same

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from guard_server import ReportBatch, Settings, Store, create_app
 from guard_server.collector import build_families, new_registry
+from guard_server.families import MAX_SERIES_PER_RANK, series_of
 from guard_server.routes.metrics import encoder_for
-from guard_server.series import MAX_SERIES_PER_RANK, series_of
 from guard_server.wire import ACTIONS, CHECKS
 
 # DESIGN.md, "Metric names": name -> (type, extra labels). Counters are keyed by the exposed

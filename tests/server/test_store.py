@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from guard_server import CapacityError, ReportBatch, Settings, StepJumpError, Store
-from guard_server.series import series_of
-from guard_server.store import REJECT_REASONS
+from guard_server.families import series_of
+from guard_server.rejections import REJECT_REASONS
 from guard_server.wire import CHECKS
 
 
@@ -182,9 +182,9 @@ def test_expired_ranks_free_their_place_under_the_cap(make_batch: Any, clock: An
 
 def test_counts_rejects_by_reason() -> None:
     store = Store(Settings())
-    store.reject("invalid")
-    store.reject("invalid")
-    store.reject("unauthorized")
+    store.rejections.count("invalid")
+    store.rejections.count("invalid")
+    store.rejections.count("unauthorized")
     rejected = store.snapshot().rejected
     assert rejected == dict.fromkeys(REJECT_REASONS, 0) | {"unauthorized": 1, "invalid": 2}
 

@@ -141,3 +141,41 @@ def test_the_models_enforce_the_exported_limits() -> None:
     assert schema["properties"]["run_id"]["pattern"] == RUN_ID_PATTERN
     assert event["check"]["enum"] == list(CHECKS)
     assert event["action"]["enum"] == list(ACTIONS)
+
+
+def _field_rows(doc: str) -> dict[str, str]:
+    """docs/wire.md's field table: each backticked field name of a row -> the whole row."""
+    rows: dict[str, str] = {}
+    for line in doc.splitlines():
+        if line.startswith("| `"):
+            names = line.split("|")[1]
+            for name in names.replace("`", "").split(","):
+                rows[name.strip()] = line
+    return rows
+
+
+def test_the_doc_names_every_field_value_and_limit_of_the_wire() -> None:
+    """docs/wire.md is written by hand: every field of the models, every check and action
+    name, and every limit with its constant must be in it, so it cannot drift from wire.py."""
+    from guard_server import wire
+    from tests.server.conftest import WIRE_DOC
+
+    doc = WIRE_DOC.read_text()
+    rows = _field_rows(doc)
+    fields = {*wire.ReportBatch.model_fields, *wire.StepReport.model_fields}
+    fields |= {f"events[].{n}" for n in wire.Event.model_fields}
+    assert fields - set(rows) == set()
+    for name in (*CHECKS, *ACTIONS):
+        assert f"`{name}`" in rows["violations"] or f" {name}" in rows["violations"], name
+    assert "`CHECKS`" in rows["violations"] and "`ACTIONS`" in rows["violations"]
+    assert all(name in rows["halted"] for name in ("check name", "CHECKS"))
+    limits = {"MAX_BATCH_REPORTS": MAX_BATCH_REPORTS, "MAX_EVENTS": MAX_EVENTS,
+              "MAX_MESSAGE": MAX_MESSAGE, "MAX_MODULE": MAX_MODULE}
+    for constant, value in limits.items():
+        assert f"{value}" in doc and f"`{constant}`" in doc, constant
+    assert MAX_COUNT == 2**53 and "2**53 (`MAX_COUNT`" in doc
+    assert "`RUN_ID_PATTERN`" in doc and "`ATTACH_ID_PATTERN`" in doc
+    run_id = wire.ReportBatch.model_fields["run_id"].metadata
+    assert RUN_ID_PATTERN.strip("^$").replace("{1,128}", "") in doc.replace("1–128 chars, ", "")
+    assert any("128" in str(m) for m in run_id) and "1–128 chars" in rows["run_id"]
+    assert "0–65535" in rows["rank"]

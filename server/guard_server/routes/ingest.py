@@ -80,37 +80,37 @@ async def post_reports(
     # The body is read by hand rather than by a pydantic parameter: the size limit must hold
     # on the streamed bytes, and parsing JSON straight into the model is ~2x faster.
     if not authorized(request.headers.get("authorization"), settings.token):
-        store.reject("unauthorized")
+        store.rejections.count("unauthorized")
         raise HTTPException(
             401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
         )
     if not _is_json(request.headers.get("content-type")):
-        store.reject("not_json")
+        store.rejections.count("not_json")
         raise HTTPException(415, "reports must be sent with Content-Type: application/json")
     try:
         async with asyncio.timeout(settings.read_timeout_s):
             body = await read_body(request, settings.max_body_bytes, slots)
     except BodyTooLargeError as exc:
-        store.reject("too_large")
+        store.rejections.count("too_large")
         raise HTTPException(413, str(exc)) from None
     except BusyError as exc:
-        store.reject("busy")
+        store.rejections.count("busy")
         headers = {"Retry-After": str(BUSY_RETRY_AFTER_S)}
         raise HTTPException(429, str(exc), headers=headers) from None
     except TimeoutError:
-        store.reject("timeout")
+        store.rejections.count("timeout")
         raise HTTPException(
             408, f"the body did not arrive within {settings.read_timeout_s} s "
             "(GUARD_SERVER_READ_TIMEOUT_S); nothing was stored"
         ) from None
     except ClientDisconnect:
         # The client left mid-body: nobody to answer, nothing to store; counted, not logged.
-        store.reject("disconnected")
+        store.rejections.count("disconnected")
         return Accepted(accepted=0)
     try:
         batch = ReportBatch.model_validate_json(body)
     except ValidationError as exc:
-        store.reject("invalid")
+        store.rejections.count("invalid")
         errors = exc.errors(include_url=False, include_context=False, include_input=False)
         detail = [{"type": e["type"], "loc": ["body", *e["loc"]], "msg": e["msg"]} for e in errors]
         raise HTTPException(422, detail) from None

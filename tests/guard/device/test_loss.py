@@ -11,9 +11,12 @@ import torch
 
 import guard
 from guard import GuardViolation
+from guard.checks import loss_spike
+from guard.checks.loss import SPEC as step_loss_spec
 from guard.device.flags import Flags
-from guard.device.loss import SpikeTracker, StepLoss, loss_spike
-from guard.policy_file import coerce_policy
+from guard.device.loss import SpikeTracker, StepLoss
+from guard.device.loss import loss_spike as spike_rule
+from guard.policy_file import load_policy
 from tests.conftest import batch, no_host_reads, policy, tiny_gpt
 
 DEFAULTS = {"window": 100, "factor": 10.0, "min_delta": 1.0, "warmup": 10}
@@ -63,11 +66,11 @@ def test_pure_function_against_a_known_history() -> None:
     accepted = torch.tensor([True, True, True, False, True])
     kw = {"factor": 10.0, "min_delta": 1.0, "warmup": 3}
     # median of the accepted (2, 3, 1, 100) is 2 (the lower middle): one old spike moves nothing
-    spike, ratio = loss_spike(torch.tensor(25.0, dtype=torch.float64), history, accepted, **kw)
+    spike, ratio = spike_rule(torch.tensor(25.0, dtype=torch.float64), history, accepted, **kw)
     assert bool(spike) and float(ratio) == 12.5
-    spike, ratio = loss_spike(torch.tensor(19.0, dtype=torch.float64), history, accepted, **kw)
+    spike, ratio = spike_rule(torch.tensor(19.0, dtype=torch.float64), history, accepted, **kw)
     assert not bool(spike) and float(ratio) == 9.5
-    spike, ratio = loss_spike(torch.tensor(25.0, dtype=torch.float64), history, accepted,
+    spike, ratio = spike_rule(torch.tensor(25.0, dtype=torch.float64), history, accepted,
                               **{**kw, "warmup": 5})
     assert not bool(spike) and float(ratio) == 0.0  # not enough history: no ratio either
 
@@ -208,7 +211,7 @@ def test_read_every_keeps_a_spike_between_reads() -> None:
 
 
 def step_loss(**checks: dict[str, object]) -> StepLoss:
-    pol = coerce_policy(policy(**checks))
+    pol = load_policy(policy(**checks))
     return StepLoss.from_policy(pol, Flags.from_policy(pol, torch.device("cpu"), rank=0))
 
 
@@ -219,8 +222,9 @@ def test_folding_the_loss_reads_nothing_to_the_host() -> None:
             loss.record(torch.tensor(x))
             loss.fold()
     reading = loss.flags.read(lagged=False)
-    assert reading is not None and reading.fired("loss_spike") == 0
-    assert reading.local.loss == 50.0 and reading.local.spike_ratio == pytest.approx(25.0)
+    assert reading is not None and reading.fired_on("loss_spike") == 0
+    assert reading.local[step_loss_spec].value == 50.0
+    assert reading.local[loss_spike.SPEC].ratio == pytest.approx(25.0)
 
 
 def test_off_keeps_no_history() -> None:

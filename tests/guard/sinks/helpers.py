@@ -8,10 +8,10 @@ from collections.abc import Callable
 import torch
 
 import guard
-from guard.step.reading import Values
 from guard.step.record import Record
 from guard_server.wire import ReportBatch
 from tests.conftest import batch, policy
+from tests.guard.readings import values
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
@@ -41,5 +41,5 @@ def one_report(step: int = 1, *, final: bool = False, run_id: str = "r",
                rank: int = 0) -> ReportBatch:
     """A one-report batch as a guard sends it, from the library's own record."""
     record = Record(run_id, rank, {"real": 100, "rows": 128, "aligned": 128}, {})
-    record.update(Values(), step)
+    record.update(values(), step)
     return ReportBatch(run_id=run_id, rank=rank, reports=[record.report(final=final)])

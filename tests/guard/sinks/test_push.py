@@ -102,10 +102,10 @@ def test_push_with_the_wrong_token_drops_and_counts(monkeypatch: pytest.MonkeyPa
 
 def test_one_sink_sends_each_run_and_rank_as_its_own_batch_within_the_body_limit() -> None:
     from guard.policy import Action
-    from guard.step.reading import Values
     from guard.step.record import Record
     from guard.step.verdict import Verdict, Violation
     from guard_server.wire import ReportBatch
+    from tests.guard.readings import values
 
     server = EmbeddedServer("127.0.0.1", free_port())
     url = server.start()
@@ -116,7 +116,7 @@ def test_one_sink_sends_each_run_and_rank_as_its_own_batch_within_the_body_limit
                                        value=0.5, threshold=1e-6) for _ in range(32)))
         for i in range(20):
             record = Record("big", 0, {"real": 100, "rows": 128, "aligned": 128}, {})
-            record.update(Values(), i + 1)
+            record.update(values(), i + 1)
             record.add(long)
             sink.emit(ReportBatch(run_id="big", rank=0, reports=[record.report()]))
             sink.emit(one_report(i + 1, run_id="small", rank=5))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from guard.policy import Action
-from guard.policy_file import coerce_policy
+from guard.policy_file import load_policy
 from guard.step.episodes import Episodes
 from guard.step.localise import capture
 from guard.step.verdict import Verdict, Violation
@@ -24,8 +24,8 @@ def poisoned() -> torch.nn.Module:
 
 def test_off_or_without_localise_there_is_nothing_to_keep() -> None:
     m = tiny_gpt()
-    assert Episodes.from_policy(coerce_policy(policy(nonfinite={"action": "off"})), m) is None
-    pol = coerce_policy(policy(nonfinite={"localise": False}))
+    assert Episodes.from_policy(load_policy(policy(nonfinite={"action": "off"})), m) is None
+    pol = load_policy(policy(nonfinite={"localise": False}))
     assert Episodes.from_policy(pol, m) is None
 
 

@@ -195,12 +195,19 @@ def test_localise_off_never_reruns(monkeypatch: pytest.MonkeyPatch) -> None:
     m = tiny_gpt()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pol = policy(nonfinite={"action": "warn", "localise": False})
+
+    def keeping() -> list[object]:  # the hooks that keep each forward's inputs for a re-run
+        return [h for h in m._forward_pre_hooks.values()
+                if getattr(h, "__qualname__", "").endswith("Episodes._keep")]
+
+    with guard.attach(m, policy=policy(), vocab_size=REAL, optimizer=opt):
+        assert len(keeping()) == 1  # localise on: one
     with guard.attach(m, policy=pol, vocab_size=REAL, optimizer=opt) as g:
+        assert keeping() == []  # nothing held either
         poison(m)
         m(*batch())[1].backward()
         opt.step()
         assert g.stats["violations"] == {"nonfinite": {"warn": 1}} and calls == []
-        assert g.episodes is None  # nothing held either
 
 
 def test_rerun_repeats_the_forwards_autocast() -> None:

@@ -7,17 +7,27 @@ import math
 
 import pytest
 
+from guard.checks import Slot, loss, nonfinite, padding_mass, token_range
 from guard.policy import Action
-from guard.policy_file import coerce_policy
+from guard.policy_file import load_policy
 from guard.sinks import MemorySink
-from guard.step.reading import Values
 from guard.step.record import Record, empty_stats
 from guard.step.verdict import Note, Verdict, Violation
 from guard.vocab.sizes import audit_sizes
 from guard_server.wire import MAX_COUNT, MAX_EVENTS, MAX_MESSAGE, MAX_MODULE, ReportBatch
 from tests.conftest import no_host_reads, policy
+from tests.guard.readings import values
 
 VOCAB = {"real": 100, "rows": 128, "aligned": 128}
+
+
+def mass(mean: float, top: float) -> dict[Slot, float]:
+    """The padding-mass slots of one sampled position."""
+    return {padding_mass.SUM: mean, padding_mass.COUNT: 1, padding_mass.MAX: top}
+
+
+def loss_of(x: float) -> dict[Slot, float]:
+    return {loss.VALUE: x, loss.SEEN: 1}
 
 
 def record(**enabled: Action) -> Record:
@@ -38,7 +48,7 @@ def violation(check: str = "padding_mass", action: Action = Action.WARN, step: i
 
 
 def test_from_the_policy_every_enabled_check_is_a_zero_count() -> None:
-    pol = coerce_policy({**policy(), "run_id": "r7"})
+    pol = load_policy({**policy(), "run_id": "r7"})
     r = Record.from_policy(pol, audit_sizes(real=100, rows=128, embedding_rows=128,
                                             tied=True), rank=1)
     r.sinks.append(MemorySink())
@@ -53,9 +63,8 @@ def test_from_the_policy_every_enabled_check_is_a_zero_count() -> None:
 
 def test_values_add_up_in_stats_and_gauges_keep_their_last_value() -> None:
     r = record()
-    r.update(Values(padding_mass=0.2, padding_mass_max=0.3, loss=2.0,
-                    nonfinite={"logits": 1, "hidden": 0, "loss": 0}), step=1)
-    r.update(Values(out_of_range={"input": 2, "label": 0}), step=2)  # no position, no loss
+    r.update(values({**mass(0.2, 0.3), **loss_of(2.0), nonfinite.LOGITS: 1}), step=1)
+    r.update(values({token_range.INPUT: 2}), step=2)  # no position, no loss
     s = r.stats
     assert s == {**empty_stats(), "step": 2, "loss": 2.0, "padding_mass": 0.2,
                  "padding_mass_max": 0.3, "nonfinite": {"logits": 1, "hidden": 0, "loss": 0},
@@ -67,11 +76,10 @@ def test_values_add_up_in_stats_and_gauges_keep_their_last_value() -> None:
 def test_scalars_flatten_the_last_read_for_a_trainers_loggers() -> None:
     r = record(padding_mass=Action.WARN, coverage=Action.WARN)
     r.add(Verdict((violation("alignment", Action.WARN, 0),)))  # at attach: before any step
-    r.update(Values(), step=0)  # attach's read of the weights is no step's figures
+    r.update(values(), step=0)  # attach's read of the weights is no step's figures
     assert r.scalars() == {}
-    r.update(Values(padding_mass=0.2, padding_mass_max=0.3, out_of_range={"input": 0,
-                                                                          "label": 3}), step=1)
-    r.update(Values(out_of_range={"input": 1, "label": 2}), step=2)  # no position sampled
+    r.update(values({**mass(0.2, 0.3), token_range.LABEL: 3}), step=1)
+    r.update(values({token_range.INPUT: 1, token_range.LABEL: 2}), step=2)  # nothing sampled
     r.add(Verdict((violation(step=2),)))
     r.skipped()
     with no_host_reads():
@@ -88,7 +96,7 @@ def test_scalars_flatten_the_last_read_for_a_trainers_loggers() -> None:
 
 def test_a_report_is_one_batch_of_the_wire_with_run_and_rank() -> None:
     r = record(padding_mass=Action.WARN)
-    r.update(Values(padding_mass=0.2, padding_mass_max=0.3), step=4)
+    r.update(values(mass(0.2, 0.3)), step=4)
     r.add(Verdict((violation(step=4),)))
     r.emit(final=True)
     (batch,) = sent(r).batches
@@ -102,8 +110,8 @@ def test_a_report_is_one_batch_of_the_wire_with_run_and_rank() -> None:
 
 def test_values_past_the_wire_limits_are_clipped_not_rejected() -> None:
     r = record()
-    r.update(Values(padding_mass=math.nan, padding_mass_max=1.5, loss=math.inf,
-                    out_of_range={"input": 2**60, "label": 0}), step=1)
+    r.update(values({**mass(math.nan, 1.5), **loss_of(math.inf), token_range.INPUT: 2**60}),
+             step=1)
     r.add(Verdict(tuple(violation(message="x" * 5000, module="m." * 200) for _ in range(40))))
     r.emit()
     (rep,) = sent(r).reports

@@ -6,24 +6,19 @@ from typing import Any
 
 import pytest
 
+from guard.checks import coverage, loss, loss_spike, nonfinite, padding_mass, token_range
+from guard.device.reading import Reading
 from guard.errors import GuardViolation
 from guard.policy import Action
-from guard.policy_file import coerce_policy
-from guard.step.reading import Reading, Values
+from guard.policy_file import load_policy
 from guard.step.verdict import Verdict, Violation, attach_verdict, judge
 from guard.vocab.sizes import audit_sizes
 from tests.conftest import policy
-
-NONE = dict.fromkeys(("token_range", "padding_mass", "nonfinite", "loss_spike", "padding_rows",
-                      "coverage"))
-
-
-def reading(over: dict[str, int], local: Values | None = None, **glob: Any) -> Reading:
-    return Reading(local or Values(), Values(**glob), {**NONE, **over})
+from tests.guard.readings import reading
 
 
 def verdict(r: Reading, **checks: dict[str, Any]) -> Verdict:
-    return judge(r, coerce_policy(policy(**checks)), step=7, real=100, rows=128)
+    return judge(r, load_policy(policy(**checks)), step=7, real=100, rows=128)
 
 
 def test_a_clean_reading_is_no_violation() -> None:
@@ -34,7 +29,7 @@ def test_a_clean_reading_is_no_violation() -> None:
 def test_every_rank_skips_on_the_all_reduced_values() -> None:
     # This rank's own values are clean; rank 3's loss was NaN: the decision is taken on the
     # combined values, so this rank drops the step too and every rank stays in lockstep.
-    r = reading({"nonfinite": 3}, nonfinite={"logits": 0, "hidden": 0, "loss": 1})
+    r = reading({nonfinite.LOSS: 1}, over={nonfinite.LOSS: 3})
     v = verdict(r, nonfinite={"action": "skip"})
     assert v.skip and v.fail is None
     (nf,) = v.violations
@@ -44,7 +39,8 @@ def test_every_rank_skips_on_the_all_reduced_values() -> None:
 
 
 def test_padding_mass_message_gives_value_mean_columns_and_fix() -> None:
-    r = reading({"padding_mass": 0}, padding_mass=0.02, padding_mass_max=0.041)
+    r = reading({padding_mass.SUM: 0.04, padding_mass.COUNT: 2, padding_mass.MAX: 0.041},
+                over={padding_mass.MAX: 0})
     (pm,) = verdict(r, padding_mass={"action": "fail"}).violations
     assert pm.message == (
         "padding_mass on rank 0 at step 7: 0.041 of the probability (mean 0.02) is on the 28 "
@@ -54,9 +50,8 @@ def test_padding_mass_message_gives_value_mean_columns_and_fix() -> None:
 
 
 def test_causes_come_first_and_fail_names_the_others() -> None:
-    r = reading({"token_range": 1, "nonfinite": 1},
-                out_of_range={"input": 0, "label": 2},
-                nonfinite={"logits": 0, "hidden": 0, "loss": 1})
+    r = reading({token_range.LABEL: 2, nonfinite.LOSS: 1},
+                over={token_range.LABEL: 1, nonfinite.LOSS: 1})
     v = verdict(r, nonfinite={"action": "warn"})
     assert [x.check for x in v.violations] == ["token_range", "nonfinite"]
     err = v.error()
@@ -67,21 +62,22 @@ def test_causes_come_first_and_fail_names_the_others() -> None:
 
 
 def test_fail_wins_over_skip() -> None:
-    r = reading({"nonfinite": 0, "loss_spike": 0}, loss=50.0, spike_ratio=25.0,
-                nonfinite={"logits": 2, "hidden": 0, "loss": 0})
+    r = reading({loss.VALUE: 50.0, loss.SEEN: 1, loss_spike.SPIKE: 1, loss_spike.RATIO: 25.0,
+                 nonfinite.LOGITS: 2}, over={nonfinite.LOGITS: 0, loss_spike.SPIKE: 0})
     v = verdict(r, nonfinite={"action": "fail"}, loss_spike={"action": "skip"})
     assert v.fail is not None and v.fail.check == "nonfinite" and not v.skip
 
 
 def test_loss_spike_message_gives_the_ratio_and_the_window() -> None:
-    r = reading({"loss_spike": 0}, loss=50.0, spike_ratio=25.0)
+    r = reading({loss.VALUE: 50.0, loss.SEEN: 1, loss_spike.SPIKE: 1, loss_spike.RATIO: 25.0},
+                over={loss_spike.SPIKE: 0})
     (ls,) = verdict(r, loss_spike={"action": "warn"}).violations
     assert ls.message.startswith("loss_spike on rank 0 at step 7: loss 50 is 25x the median "
                                  "of its last 100 losses, expected <= 10x")
 
 
 def test_a_check_that_is_off_never_fires() -> None:
-    r = reading({"token_range": 0}, out_of_range={"input": 1, "label": 0})
+    r = reading({token_range.INPUT: 1}, over={token_range.INPUT: 0})
     assert verdict(r, token_range={"action": "off"}).violations == ()
 
 
@@ -89,7 +85,7 @@ def test_a_check_that_is_off_never_fires() -> None:
                                                ("warn", "continuing (action: warn)")])
 def test_attach_verdict_for_an_unaligned_head(action: str, next_: str) -> None:
     audit = audit_sizes(real=90, rows=100, embedding_rows=100, tied=True)
-    v = attach_verdict(audit, coerce_policy(policy(alignment={"action": action})), rank=0)
+    v = attach_verdict(audit, load_policy(policy(alignment={"action": action})), rank=0)
     (al,) = v.violations
     assert (al.check, al.step, al.value, al.threshold) == ("alignment", 0, 100.0, 64.0)
     assert next_ in al.message and "build embedding and lm_head with 128 rows" in al.message
@@ -106,7 +102,7 @@ def test_the_error_keeps_the_violations_data() -> None:
 
 
 def test_negative_labels_name_the_ignore_index_setting() -> None:
-    r = reading({"token_range": 0}, out_of_range={"input": 0, "label": 6}, negative_labels=6)
+    r = reading({token_range.LABEL: 6, token_range.NEGATIVE: 6}, over={token_range.LABEL: 0})
     (tr,) = verdict(r).violations
     assert "6 labels are negative: if they mark positions to ignore, set " \
            "checks.token_range.ignore_index to their value (nanoGPT ignores -1: " \
@@ -115,7 +111,7 @@ def test_negative_labels_name_the_ignore_index_setting() -> None:
 
 
 def test_ids_just_above_real_may_be_special_tokens() -> None:
-    r = reading({"token_range": 0}, out_of_range={"input": 2, "label": 0}, max_id=101)
+    r = reading({token_range.INPUT: 2, token_range.MAX_ID: 101}, over={token_range.INPUT: 0})
     (tr,) = verdict(r).violations
     # The likely cause first: a real vocab larger than the one given, and how to pass it.
     assert "ids in [100, 128) (highest 101) are beyond the real vocab you gave (100): if your " \
@@ -126,19 +122,22 @@ def test_ids_just_above_real_may_be_special_tokens() -> None:
 
 
 def test_ids_without_a_row_are_out_of_range_not_special_tokens() -> None:
-    r = reading({"token_range": 0}, out_of_range={"input": 1, "label": 0}, max_id=130)
+    r = reading({token_range.INPUT: 1, token_range.MAX_ID: 130}, over={token_range.INPUT: 0})
     (tr,) = verdict(r).violations
     assert "ids >= 128 (highest 130) have no row at all" in tr.message
     assert "beyond the real vocab" not in tr.message and "tokenizer=" not in tr.message
 
 
-def test_coverage_names_what_was_not_seen_and_only_for_checks_that_are_on() -> None:
-    blind = {"logits": 0, "labels": 3, "loss": 2}
-    (cv,) = verdict(reading({"coverage": 0}, blind=blind)).violations
+def test_coverage_names_what_was_not_seen_and_only_what_crossed() -> None:
+    # The device decides which blind slots are violations (thresholds only where a check that
+    # is on needs the data); the message names the checks that need them.
+    blind = {coverage.BLIND["labels"]: 3, coverage.BLIND["loss"]: 2}
+    r = reading(blind, over=dict.fromkeys(blind, 0))
+    (cv,) = verdict(r).violations
     assert cv.message.startswith("coverage on rank 0 at step 7: blind in 3 training step(s): "
                                  "token_range saw no labels")
     assert "nonfinite saw no loss" in cv.message  # loss_spike is off in the test policy
     assert (cv.count, cv.once) == (3, "coverage:labels+loss")
-    quiet = verdict(reading({"coverage": 0}, blind=blind), token_range={"action": "off"},
-                    nonfinite={"action": "off"})
-    assert quiet.violations == ()  # nothing that is on needs labels or a loss
+    uncrossed = reading(blind, over={coverage.BLIND["labels"]: 0})
+    (cv,) = verdict(uncrossed).violations
+    assert "no loss" not in cv.message and cv.once == "coverage:labels"

@@ -10,17 +10,16 @@ import torch
 from guard.device.compile import compiling
 
 __all__ = [
-    "chunk_rows",
+    "chunk_positions",
     "logsumexp",
+    "mask_padding",
     "mask_padding_",
-    "masked_logits",
     "nonfinite_count",
-    "out_of_range_count",
     "out_of_range_parts",
     "padding_mass",
     "padding_mass_parts",
-    "sample_rows",
-    "sample_rows_at",
+    "sample_positions",
+    "sample_positions_at",
 ]
 
 # Elements per chunk of (positions, rows) work. On the CPU a fresh temporary of a few hundred
@@ -31,7 +30,7 @@ CPU_CHUNK_ELEMENTS = 1 << 21
 CUDA_CHUNK_ROWS = 1024
 
 
-def chunk_rows(rows: int, device: torch.device) -> int:
+def chunk_positions(rows: int, device: torch.device) -> int:
     """Positions per chunk for (positions, rows) reductions on `device`."""
     if device.type == "cpu":
         return max(1, CPU_CHUNK_ELEMENTS // rows)
@@ -78,8 +77,9 @@ def padding_mass(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
     return padding_mass_parts(logits, vocab_real)[0]
 
 
-def sample_rows(flat: torch.Tensor, k: int, offset: int) -> torch.Tensor:
-    """A strided view of at most k rows of (N, rows): no copy, no RNG (dropout stays bitwise)."""
+def sample_positions(flat: torch.Tensor, k: int, offset: int) -> torch.Tensor:
+    """A strided view of at most k positions of (N, rows): no copy, no RNG (dropout stays
+    bitwise)."""
     n = flat.shape[0]
     if n <= k:
         return flat
@@ -87,8 +87,9 @@ def sample_rows(flat: torch.Tensor, k: int, offset: int) -> torch.Tensor:
     return flat[offset % stride :: stride][:k]
 
 
-def sample_rows_at(flat: torch.Tensor, k: int, offset: torch.Tensor) -> torch.Tensor:
-    """The rows `sample_rows` picks, with the offset a device tensor (a copy of at most k rows).
+def sample_positions_at(flat: torch.Tensor, k: int, offset: torch.Tensor) -> torch.Tensor:
+    """The positions `sample_positions` picks, with the offset a device tensor (a copy of at
+    most k positions).
 
     Under torch.compile a Python offset is a constant of the graph, so a new one every step
     would recompile every step; a tensor offset is an input of one graph.
@@ -108,16 +109,6 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).logical_not().sum()
 
 
-def out_of_range_count(
-    ids: torch.Tensor, vocab_real: int, ignore_index: int | None
-) -> torch.Tensor:
-    """Token ids outside [0, vocab_real): ghost ids [real, rows) and impossible ones alike."""
-    bad = (ids < 0) | (ids >= vocab_real)
-    if ignore_index is not None:
-        bad &= ids != ignore_index
-    return bad.sum()
-
-
 def out_of_range_parts(
     ids: torch.Tensor, vocab_real: int, ignore_index: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -134,7 +125,7 @@ def out_of_range_parts(
 def mask_padding_(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
     """Set columns [vocab_real, rows) to -inf in place: zero probability, zero gradient.
 
-    Outside autograd only (no_grad, eval, detached); `masked_logits` is the autograd-aware form.
+    Outside autograd only (no_grad, eval, detached); `mask_padding` is the autograd-aware form.
     """
     rows = logits.shape[-1]
     _check_real(vocab_real, rows)
@@ -170,7 +161,7 @@ class _MaskPadding(torch.autograd.Function):
         return grad, None
 
 
-def masked_logits(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
+def mask_padding(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
     """`mask_padding_` that keeps autograd exact: padding columns get exactly zero gradient."""
     rows = logits.shape[-1]
     _check_real(vocab_real, rows)

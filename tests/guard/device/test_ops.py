@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guard import padding_mass
-from guard.device.checks import mask_padding_, nonfinite_count, out_of_range_count, sample_rows
+from guard.device.ops import mask_padding_, nonfinite_count, out_of_range_parts, sample_positions
 
 
 def seed_logits(draws: int) -> torch.Tensor:
@@ -94,13 +94,13 @@ def test_padding_columns_get_exactly_zero_gradient_under_mask(real: int, extra: 
     assert torch.count_nonzero(w.grad[:real]) > 0
 
 
-def test_sample_rows_is_a_strided_view() -> None:
+def test_sample_positions_is_a_strided_view() -> None:
     flat = torch.arange(1000.0).view(100, 10)
-    s = sample_rows(flat, 8, offset=3)
+    s = sample_positions(flat, 8, offset=3)
     assert s.shape == (8, 10)
     assert s.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # no copy
     assert s[0, 0] == 30.0 and s[1, 0] == 150.0  # stride 12, offset 3
-    assert sample_rows(flat, 500, 0) is flat
+    assert sample_positions(flat, 500, 0) is flat
 
 
 def test_nonfinite_and_out_of_range_counts() -> None:
@@ -108,21 +108,21 @@ def test_nonfinite_and_out_of_range_counts() -> None:
     assert int(nonfinite_count(t)) == 3
     assert int(nonfinite_count(torch.tensor([1, 2]))) == 0
     ids = torch.tensor([0, 5, 99, 100, 127, 128, -1, -100])
-    assert int(out_of_range_count(ids, 100, -100)) == 4  # 100, 127, 128, -1
-    assert int(out_of_range_count(ids, 100, None)) == 5
+    assert int(out_of_range_parts(ids, 100, -100)[0]) == 4  # 100, 127, 128, -1
+    assert int(out_of_range_parts(ids, 100, None)[0]) == 5
 
 
 @settings(max_examples=25, deadline=None)
 @given(real=st.integers(2, 30), extra=st.integers(1, 20), seed=st.integers(0, 2**31 - 1))
-def test_masked_logits_gradient_equals_real_only_gradient(real: int, extra: int,
+def test_mask_padding_gradient_equals_real_only_gradient(real: int, extra: int,
                                                           seed: int) -> None:
-    from guard.device.checks import masked_logits
+    from guard.device.ops import mask_padding
 
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(real + extra, 8, generator=g, dtype=torch.float64, requires_grad=True)
     h = torch.randn(2, 3, 8, generator=g, dtype=torch.float64)
     target = torch.randint(0, real, (6,), generator=g)
-    logits = masked_logits(h @ w.T, real)  # (2, 3, rows), autograd path
+    logits = mask_padding(h @ w.T, real)  # (2, 3, rows), autograd path
     F.cross_entropy(logits.view(-1, real + extra), target).backward()
     w_ref = w.detach()[:real].clone().requires_grad_(True)
     F.cross_entropy((h @ w_ref.T).view(-1, real), target).backward()
@@ -131,17 +131,17 @@ def test_masked_logits_gradient_equals_real_only_gradient(real: int, extra: int,
     assert torch.count_nonzero(w.grad[real:]) == 0
 
 
-def test_masked_logits_backward_from_an_expanded_gradient() -> None:
-    from guard.device.checks import masked_logits
+def test_mask_padding_backward_from_an_expanded_gradient() -> None:
+    from guard.device.ops import mask_padding
 
     w = torch.randn(10, 4, requires_grad=True)
-    logits = masked_logits(torch.randn(3, 4) @ w.T, 7)
+    logits = mask_padding(torch.randn(3, 4) @ w.T, 7)
     logits[:, :7].sum().backward()  # the gradient reaching the mask is an expand of ones
     assert w.grad is not None and torch.count_nonzero(w.grad[7:]) == 0
 
 
 def testlogsumexp_matches_torch_on_edge_rows() -> None:
-    from guard.device.checks import logsumexp
+    from guard.device.ops import logsumexp
 
     inf, nan = float("inf"), float("nan")
     x = torch.tensor([[0.0, 1.0, 2.0], [1e30, -1e30, 0.0], [-inf, -inf, -inf],

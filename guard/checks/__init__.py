@@ -1,0 +1,7 @@
+"""The per-step checks, one module each: what it measures on the device (its slots), when it
+fires (its thresholds), what it needs to see, its figures and its message."""
+
+from guard.checks.spec import Context, Found, Slot, Spec
+from guard.checks.table import CHECKS, SPECS, watching
+
+__all__ = ["CHECKS", "SPECS", "Context", "Found", "Slot", "Spec", "watching"]

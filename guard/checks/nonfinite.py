@@ -1,0 +1,50 @@
+"""nonfinite: NaN / Inf in the lm_head input, the real-vocab logits and the loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from guard.checks.spec import Context, Found, Raw, Slot, Spec, Stats, Watching, listed
+from guard.policy import Policy
+
+__all__ = ["HIDDEN", "LOGITS", "LOSS", "SLOTS", "SPEC", "Nonfinite", "Tensor"]
+
+Tensor = Literal["hidden", "logits", "loss"]
+
+HIDDEN = Slot("nonfinite.hidden")  # non-finite values in the lm_head input
+LOGITS = Slot("nonfinite.logits")  # positions whose real-vocab logits hold a NaN or +Inf
+LOSS = Slot("nonfinite.loss")  # non-finite losses
+# In the order of the message: cause first.
+SLOTS: Mapping[Tensor, Slot] = {"hidden": HIDDEN, "logits": LOGITS, "loss": LOSS}
+_NAMES = {"hidden": "lm_head input", "logits": "real-vocab logits", "loss": "loss"}
+
+
+@dataclass(frozen=True)
+class Nonfinite:
+    counts: Mapping[str, int]  # per tensor (hidden, logits, loss), as on the wire
+
+
+def _figures(raw: Raw) -> Nonfinite:
+    return Nonfinite({k: int(raw[slot]) for k, slot in SLOTS.items()})
+
+
+def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+    return dict.fromkeys(SLOTS.values(), 0.0)
+
+
+def _stats(f: Nonfinite) -> Stats:
+    # The wire's order (logits, hidden, loss), as g.stats has always shown it.
+    return {"nonfinite": {k: f.counts[k] for k in ("logits", "hidden", "loss")}}
+
+
+def _describe(f: Nonfinite, c: Context) -> Found:
+    seen, total = listed({_NAMES[k]: n for k, n in f.counts.items()}, "{n} in the {k}", ", ")
+    return Found(total, 0.0, (
+        f"NaN/Inf values: {seen}; expected none; {c.next}. Check the learning rate, the loss "
+        f"scale and the padding rows [{c.real}, {c.rows}) of the embedding / lm_head."))
+
+
+SPEC = Spec("nonfinite", tuple(SLOTS.values()), _figures, _thresholds, ("logits", "loss"),
+            _stats, _describe)

@@ -1,0 +1,48 @@
+"""padding_rows: the padding rows [real, rows) of the embedding and lm_head weights, at attach
+and at each read: non-finite values, or a norm far above the largest real row's (what an
+uninitialised resize leaves). The rows are read and repaired by guard/device/rows.py."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from guard.checks.spec import Context, Found, Raw, Slot, Spec, Watching, fmt
+from guard.policy import Action, Policy
+
+__all__ = ["NONFINITE", "RATIO", "SPEC", "PaddingRows"]
+
+NONFINITE = Slot("padding_rows.nonfinite")  # non-finite values in the padding rows
+RATIO = Slot("padding_rows.ratio", "max")  # their largest norm / the largest real row's
+
+
+@dataclass(frozen=True)
+class PaddingRows:
+    nonfinite: int
+    ratio: float  # inf where a padding row is non-finite or the real rows are all zero
+
+
+def _figures(raw: Raw) -> PaddingRows:
+    return PaddingRows(int(raw[NONFINITE]), raw[RATIO])
+
+
+def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+    return {NONFINITE: 0.0, RATIO: policy.checks.padding_rows.factor}
+
+
+def _describe(f: PaddingRows, c: Context) -> Found:
+    factor = c.policy.checks.padding_rows.factor
+    seen = ", ".join(part for part in (
+        f"{f.nonfinite} non-finite values" if f.nonfinite else "",
+        f"the largest norm {fmt(f.ratio)}x the largest real row's" if RATIO in c.crossed else "",
+    ) if part)
+    fix = ("" if c.policy.action("padding_rows") is Action.REPAIR else
+           " Set checks.padding_rows.action: repair to overwrite them with the mean real row.")
+    return Found(f.ratio if not f.nonfinite else float(f.nonfinite), factor, (
+        f"rows [{c.real}, {c.rows}) of {c.weights}: {seen}, expected "
+        f"finite and <= {factor:g}x: what an uninitialised resize leaves, which poisons the "
+        f"logits wherever the mask is not (evaluation, generation, a saved checkpoint); "
+        f"{c.next}.{fix}"))
+
+
+SPEC = Spec("padding_rows", (NONFINITE, RATIO), _figures, _thresholds, describe=_describe)

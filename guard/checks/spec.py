@@ -1,0 +1,121 @@
+"""What a per-step check is made of: its device slots, its thresholds from the policy, the data
+it needs, its figures on the host and on the wire, and the message of a violation.
+
+Pure Python: no tensor, no hook. The flags tensor lays its slots out from the specs
+(guard/device/flags.py), the verdict iterates them (guard/step/verdict.py) and the record takes
+their figures (guard/step/record.py); nothing else needs to know that a check exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, Literal, Protocol, TypeVar
+
+from guard.policy import Policy
+
+__all__ = ["Context", "Figures", "Found", "Raw", "Reduce", "SeenKind", "Slot", "Spec", "Stats",
+           "Watching", "fmt", "listed"]
+
+# How a slot accumulates within a read window, and combines over ranks (all-reduce MAX) and
+# over two windows read at once (a lagged read still queued).
+Reduce = Literal["sum", "max", "last"]
+# What a training step must show the guard for the per-step checks to see anything (coverage).
+SeenKind = Literal["logits", "labels", "loss"]
+# Per kind of data, the enabled checks that need it; empty where coverage is off.
+Watching = Mapping[SeenKind, tuple[str, ...]]
+# A check's figures in `g.stats` and on the wire, named as there: a gauge (a float, None when
+# the window measured nothing) or counts per kind, added up since attach.
+Stats = Mapping[str, float | Mapping[str, int] | None]
+
+F = TypeVar("F")
+
+
+@dataclass(frozen=True, eq=False)  # identity: a slot is one position in the flags vector
+class Slot:
+    """One number of the flags vector, as a check writes it inside a hook."""
+
+    name: str
+    reduce: Reduce = "sum"
+    # "last": the slot that is non-zero when the window wrote this one, so that two windows
+    # read as one keep the newer value only where the newer window has one.
+    written: Slot | None = None
+    # A per-step mark (set while the step sees its data, zeroed at each step boundary): this
+    # slot counts the steps that ended with it still zero.
+    without: Slot | None = None
+
+
+class Raw(Protocol):
+    """One read window's value per slot (host floats)."""
+
+    def __getitem__(self, slot: Slot, /) -> float: ...
+
+
+class Figures(Protocol):
+    """Every spec's figures of one read window, typed per spec: `values[SPEC].mean`."""
+
+    def __getitem__(self, spec: Spec[F], /) -> F: ...
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a message needs besides the check's own figures."""
+
+    glob: Figures  # every spec's figures, max-combined over ranks
+    policy: Policy
+    next: str  # what happens next, from the action
+    real: int  # the real vocab, clipped to the rows
+    rows: int  # rows of the whole vocab
+    head: str  # the head's name in the model
+    weights: str  # the weights whose padding rows are checked, by name
+    crossed: frozenset[Slot]  # the slots past their threshold on some rank
+    watching: Watching
+
+
+@dataclass(frozen=True)
+class Found:
+    """A violation's value, the threshold it passed and its text (after 'check on rank r at
+    step s: ')."""
+
+    value: float
+    threshold: float
+    text: str
+    count: int = 1  # training steps it stands for (coverage counts each blind step)
+    once: str | None = None  # a key: only the first violation with it is logged and reported
+
+
+def _no_thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+    return {}
+
+
+def _no_stats(figures: object) -> Stats:
+    return {}
+
+
+@dataclass(frozen=True)
+class Spec(Generic[F]):
+    """A per-step check (or, without `describe`, a figure the checks share: the loss)."""
+
+    name: str  # the check's name in the policy and on the wire
+    slots: tuple[Slot, ...]
+    figures: Callable[[Raw], F]  # its figures of one window, from its slots
+    # The slots that make it fire, and the value above which they do.
+    thresholds: Callable[[Policy, Watching], Mapping[Slot, float]] = _no_thresholds
+    needs: tuple[SeenKind, ...] = ()  # what a training step must show it (coverage)
+    stats: Callable[[F], Stats] = field(default=_no_stats)
+    describe: Callable[[F, Context], Found | None] | None = None
+
+    @property
+    def is_check(self) -> bool:
+        return self.describe is not None
+
+
+def fmt(x: float) -> str:
+    """A figure in a message: three significant digits, more for large or odd values."""
+    return f"{x:.3g}" if x == x and abs(x) < 1e4 else f"{x:.4g}"
+
+
+def listed(counts: Mapping[str, int], each: str, sep: str) -> tuple[str, float]:
+    """The non-zero counts as text (`each` formats one, with {n} and {k}) and their total."""
+    parts = [(k, n) for k, n in counts.items() if n > 0]
+    return sep.join(each.format(n=n, k=k) for k, n in parts), float(sum(n for _, n in parts))

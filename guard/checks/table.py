@@ -1,0 +1,38 @@
+"""The per-step checks, one spec each (guard/checks/<name>.py), in the order of a verdict:
+cause first. Ghost ids explain an infinite loss under the mask, not the reverse; a blind
+check explains a quiet one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from guard.checks import (
+    coverage,
+    loss,
+    loss_spike,
+    nonfinite,
+    padding_mass,
+    padding_rows,
+    token_range,
+)
+from guard.checks.spec import SeenKind, Spec, Watching
+from guard.policy import Policy
+
+__all__ = ["CHECKS", "SPECS", "watching"]
+
+CHECKS: tuple[Spec[Any], ...] = (token_range.SPEC, padding_mass.SPEC, nonfinite.SPEC,
+                                 loss_spike.SPEC, padding_rows.SPEC, coverage.SPEC)
+# Every spec with slots in the flags: the checks and the loss they share.
+SPECS: tuple[Spec[Any], ...] = (loss.SPEC, *CHECKS)
+
+
+def watching(policy: Policy) -> Watching:
+    """Per kind of data, the enabled checks that need it; {} where coverage is off."""
+    if not policy.enabled("coverage"):
+        return {}
+    out: dict[SeenKind, tuple[str, ...]] = {}
+    for spec in CHECKS:
+        if policy.enabled(spec.name):
+            for kind in spec.needs:
+                out[kind] = (*out.get(kind, ()), spec.name)
+    return out

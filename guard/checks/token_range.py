@@ -1,0 +1,70 @@
+"""token_range: input ids and labels outside [0, real) (ghost ids [real, rows) and ids with no
+row at all); the ignore index is exempt."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from guard.checks.spec import Context, Found, Raw, Slot, Spec, Stats, Watching, listed
+from guard.policy import Policy
+
+__all__ = ["INPUT", "LABEL", "MAX_ID", "NEGATIVE", "SLOTS", "SPEC", "Kind", "TokenRange"]
+
+Kind = Literal["input", "label"]
+
+INPUT = Slot("token_range.input")  # input ids outside [0, real)
+LABEL = Slot("token_range.label")  # labels outside [0, real), ignore index exempt
+NEGATIVE = Slot("token_range.negative")  # of those labels, the ones below 0
+MAX_ID = Slot("token_range.max_id", "max")  # the highest id >= real seen; 0 when none
+SLOTS: Mapping[Kind, Slot] = {"input": INPUT, "label": LABEL}
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    counts: Mapping[str, int]  # ids out of range per kind (input, label), as on the wire
+    negative_labels: int
+    max_id: int
+
+
+def _figures(raw: Raw) -> TokenRange:
+    return TokenRange({k: int(raw[slot]) for k, slot in SLOTS.items()}, int(raw[NEGATIVE]),
+                      int(raw[MAX_ID]))
+
+
+def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+    return dict.fromkeys(SLOTS.values(), 0.0)
+
+
+def _stats(f: TokenRange) -> Stats:
+    return {"out_of_range": dict(f.counts)}
+
+
+def _describe(f: TokenRange, c: Context) -> Found:
+    seen, total = listed(f.counts, "{n} {k} ids", " and ")
+    ignore = c.policy.checks.token_range.ignore_index
+    exempt = "" if ignore is None else f" (ignore index {ignore} exempt)"
+    why = []
+    if (neg := f.negative_labels) > 0:
+        why.append(f"{neg} labels are negative: if they mark positions to ignore, set "
+                   "checks.token_range.ignore_index to their value (nanoGPT ignores -1: "
+                   "ignore_index: -1)")
+    if c.real <= (top := f.max_id) < c.rows:
+        # Just above real, these are often special tokens the size given leaves out, not bad
+        # data: the message leads with the fix for that case.
+        why.append(f"ids in [{c.real}, {c.rows}) (highest {top}) are beyond the real vocab you "
+                   f"gave ({c.real}): if your tokenizer has more ids (special tokens can sit "
+                   "above a configured vocab size: Llama-3 reserves 256 ids above 128000 that "
+                   "config.vocab_size leaves out, and litgpt's vocab_size alike), pass "
+                   "tokenizer= or set vocab.real_size to its size; otherwise they are ghost "
+                   "ids the tokenizer cannot produce")
+    elif top >= c.rows:
+        why.append(f"ids >= {c.rows} (highest {top}) have no row at all")
+    return Found(total, 0.0, (
+        f"{seen} outside [0, {c.real}){exempt}: {'; '.join(why) or 'out of range'}; {c.next}. "
+        f"Check the tokenizer / data pipeline against vocab {c.real}."))
+
+
+SPEC = Spec("token_range", (INPUT, LABEL, NEGATIVE, MAX_ID), _figures, _thresholds,
+            ("labels",), _stats, _describe)

@@ -1,0 +1,136 @@
+"""The logits' reductions, inside the lm_head's forward hook: the padding mass and the
+non-finite count of a sample of positions, into the padding_mass and nonfinite slots. Device
+ops only; the sample moves with the step, never with the host's RNG."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from guard.checks import coverage, nonfinite, padding_mass
+from guard.device.compile import compiling
+from guard.device.flags import Flags
+from guard.device.ops import (
+    chunk_positions,
+    nonfinite_count,
+    padding_mass_parts,
+    sample_positions,
+    sample_positions_at,
+)
+from guard.policy import Policy
+from guard.vocab.resolve import Sizes
+
+__all__ = ["Logits", "ProbeConfig"]
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """What the hooks compute; derived from the policy and the sizes once at attach."""
+
+    real: int  # ids [0, real) are real and have a row (Sizes.real_rows)
+    columns: int  # of this process's head output (a shard's under vocab_shard)
+    real_columns: int  # head columns [0, real_columns) are real ids
+    padding_mass: bool
+    mask: bool
+    sample_tokens: int
+    exact: bool
+    nonfinite: bool
+    token_range: bool
+    ignore_index: int | None
+
+    @classmethod
+    def from_policy(cls, policy: Policy, sizes: Sizes) -> ProbeConfig:
+        c = policy.checks
+        return cls(
+            real=sizes.real_rows, columns=sizes.columns, real_columns=sizes.real_columns,
+            padding_mass=policy.enabled("padding_mass"), mask=policy.masks,
+            sample_tokens=c.padding_mass.sample_tokens, exact=c.padding_mass.exact,
+            nonfinite=policy.enabled("nonfinite"), token_range=policy.enabled("token_range"),
+            ignore_index=c.token_range.ignore_index,
+        )
+
+
+class Logits:
+    """Measures (..., columns) logits, or the head's logits of a sample of final hidden
+    states, into the flags."""
+
+    def __init__(self, cfg: ProbeConfig, flags: Flags) -> None:
+        self.cfg, self.flags = cfg, flags
+        self._step = 0
+        # The sampling offset as a device tensor too, for compiled forwards (`_sample`).
+        self._offset = torch.zeros((), dtype=torch.int64)
+
+    def begin(self, step: int) -> None:
+        """A new step starts: move the sampling offset (a device write, never a read)."""
+        self._step = step
+        self._offset.fill_(step)
+
+    def measure(self, logits: torch.Tensor) -> None:
+        c = self.cfg
+        flat = logits.reshape(-1, c.columns)  # (tokens, columns); a view for contiguous logits
+        self._reduce(self._sample(flat))
+        if c.nonfinite and not c.exact and logits.dtype == torch.float16:
+            # float16 logits can overflow at single (position, column) pairs the sample misses;
+            # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
+            # check and the sample (every position sees every weight) already catch.
+            total = flat[:, : c.real_columns].sum(dtype=torch.float32)
+            self.flags.at_least(nonfinite.LOGITS, torch.isfinite(total).logical_not())
+
+    def measure_fused(self, hidden: torch.Tensor, head: nn.Module) -> None:
+        """The forward computed its loss from the head's weight without calling the head (a
+        fused linear-cross-entropy kernel, F.linear(h, wte.weight)): the logits of a sample of
+        positions, from the final hidden states, measured as the head's would be. The mask
+        cannot reach a fused kernel's logits; the verdict says so."""
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or hidden.shape[-1] != weight.shape[-1]:
+            return
+        bias = getattr(head, "bias", None)
+        f = self.flags
+        f.follow(hidden.device)
+        f.mark(coverage.SEEN["logits"])
+        f.put(padding_mass.FUSED, 1.0)
+        with torch.no_grad():
+            positions = self._sample(hidden.detach().reshape(-1, hidden.shape[-1]))  # (n, d)
+            if self.cfg.nonfinite:
+                f.put(nonfinite.HIDDEN, nonfinite_count(positions))
+            logits = torch.nn.functional.linear(positions.to(weight.dtype), weight,
+                                                bias if isinstance(bias, torch.Tensor) else None)
+            self._reduce(logits)  # (n, columns): already a sample
+
+    def _sample(self, flat: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        if c.exact:
+            return flat
+        if compiling():
+            # The step as a Python int would be a constant of the graph: a recompile per step.
+            if self._offset.device != flat.device:
+                self._offset = self._offset.to(flat.device)
+            return sample_positions_at(flat, c.sample_tokens, self._offset)  # the same ones
+        return sample_positions(flat, c.sample_tokens, self._step)
+
+    def _reduce(self, positions: torch.Tensor) -> None:
+        """Padding mass and non-finite counts of (n, columns) sampled logits, in chunks."""
+        c, f = self.cfg, self.flags
+        real = c.real_columns
+        per_chunk = chunk_positions(c.columns, positions.device)
+        measure_mass = c.padding_mass and real < c.columns
+        for i in range(0, positions.shape[0], per_chunk):
+            chunk = positions[i : i + per_chunk]  # (n, columns)
+            if measure_mass:
+                mass, lse_real = padding_mass_parts(chunk, real)  # (n,), (n,)
+                # A NaN mass means NaN on the padding columns: count it as all the mass.
+                mass = torch.nan_to_num(mass, nan=1.0)
+                f.put(padding_mass.SUM, mass.sum())
+                f.put(padding_mass.MAX, mass.max())
+            else:
+                lse_real = chunk[:, :real].sum(dim=-1, dtype=torch.float32)  # (n,)
+            if c.padding_mass:
+                f.put(padding_mass.COUNT, chunk.shape[0])
+            if c.nonfinite:
+                # Positions with a NaN or +Inf among the real-vocab logits make the position's
+                # logsumexp (or sum) non-finite: counted per position, from values already
+                # reduced.
+                f.put(nonfinite.LOGITS, nonfinite_count(lse_real))
+

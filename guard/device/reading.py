@@ -1,0 +1,104 @@
+"""What one read of the flags returns, as the host sees it, and the slot layout it is read in:
+every spec's slots, one position each (guard/checks/)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from guard.checks import SPECS, Slot, Spec
+
+__all__ = ["LAYOUT", "Layout", "Reading", "Values"]
+
+F = TypeVar("F")
+
+
+class Layout:
+    """The position of every slot of `specs` in the flags vector, and how each reduces."""
+
+    def __init__(self, specs: Iterable[Spec[Any]]) -> None:
+        self.specs = tuple(specs)
+        self.slots = tuple(slot for spec in self.specs for slot in spec.slots)
+        self.index: Mapping[Slot, int] = {slot: i for i, slot in enumerate(self.slots)}
+        if len(self.index) != len(self.slots):
+            raise ValueError("a slot is listed by two specs")
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def combine(self, old: Sequence[float], new: Sequence[float]) -> list[float]:
+        """Two consecutive windows as one: sums add, maxima max, a last value the newer one
+        where the newer window wrote it."""
+        out = []
+        for slot, a, b in zip(self.slots, old, new, strict=True):
+            if slot.reduce == "sum":
+                out.append(a + b)
+            elif slot.reduce == "max":
+                out.append(max(a, b))
+            else:  # "last"
+                written = slot.written is None or new[self.index[slot.written]]
+                out.append(b if written else a)
+        return out
+
+    def values(self, raw: Sequence[float]) -> Values:
+        view = _Raw(self.index, raw)
+        return Values({spec.name: spec.figures(view) for spec in self.specs})
+
+    def reading(self, local: Sequence[float], glob: Sequence[float],
+                who: Sequence[float]) -> Reading:
+        """From the host lists of one read: per slot the local value, the max over ranks and
+        1 + the highest rank past the slot's threshold (0: none)."""
+        crossed = frozenset(slot for slot, w in zip(self.slots, who, strict=True) if w > 0)
+        over: dict[str, int | None] = {}
+        for spec in self.specs:
+            if spec.is_check:
+                top = max((who[self.index[s]] for s in spec.slots), default=0.0)
+                over[spec.name] = int(top) - 1 if top > 0 else None
+        return Reading(self.values(local), self.values(glob), over, crossed)
+
+
+@dataclass(frozen=True)
+class _Raw:
+    index: Mapping[Slot, int]
+    raw: Sequence[float]
+
+    def __getitem__(self, slot: Slot) -> float:
+        return self.raw[self.index[slot]]
+
+
+class Values:
+    """Every spec's figures of one read window, typed per spec: `values[padding_mass.SPEC]`.
+    Counts are those of the window, not cumulative."""
+
+    def __init__(self, figures: Mapping[str, object]) -> None:
+        self._figures = dict(figures)
+
+    def __getitem__(self, spec: Spec[F]) -> F:
+        return cast(F, self._figures[spec.name])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Values) and other._figures == self._figures
+
+    def __repr__(self) -> str:
+        return f"Values({self._figures!r})"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """This rank's figures, the figures max-combined over all ranks, per check the highest
+    rank past its threshold (None: no rank), and the slots past theirs on any rank. Every
+    rank reads the same `glob`, `over` and `crossed`, so every rank takes the same decision;
+    on a single process `glob` is `local`."""
+
+    local: Values
+    glob: Values
+    over: Mapping[str, int | None]
+    crossed: frozenset[Slot]
+
+    def fired_on(self, check: str) -> int | None:
+        """The highest rank on which `check` crossed its threshold, or None."""
+        return self.over.get(check)
+
+
+LAYOUT = Layout(SPECS)

@@ -1,0 +1,91 @@
+"""The vocab sizes of a guarded model, resolved once at attach, and the public `audit()`.
+
+Three sizes exist (DESIGN.md): `real` (ids the tokenizer can produce), `rows` (of the
+embedding / lm_head) and the aligned size. A vocab-parallel head adds its shard: the global
+ids [start, end) of its output columns. Everything downstream takes its numbers from one
+`Sizes`, so no part computes a real vocab or a first padding row of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from guard.errors import AttachError
+from guard.policy import VocabSection
+from guard.vocab.discover import Heads, discover, unwrap
+from guard.vocab.sizes import Audit, audit_sizes, real_vocab, shard_sizes
+
+__all__ = ["Sizes", "audit", "resolve"]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The vocab sizes of one guarded model on this process."""
+
+    audit: Audit  # real, rows and embedding rows of the whole vocab, aligned, their problems
+    shard: tuple[int, int] | None  # global ids [start, end) of this process's head columns
+    columns: int  # of this process's head output: `rows`, or the shard's width
+    real_columns: int  # head columns [0, real_columns) are real ids (fewer on a padding shard)
+    # The first padding row of the embedding's weight and of the head's, in their own row
+    # numbers: the real vocab, or the head's real columns on a shard.
+    first_padding: tuple[int, int]
+
+    @property
+    def real(self) -> int:
+        """The real vocab as given (it may exceed the rows: a `vocab` violation)."""
+        return self.audit.real
+
+    @property
+    def rows(self) -> int:
+        """Rows of the whole vocab (of every shard together)."""
+        return self.audit.rows
+
+    @property
+    def real_rows(self) -> int:
+        """Ids [0, real_rows) are real and have a row: the real vocab, clipped to the rows."""
+        return min(self.audit.real, self.audit.rows)
+
+
+def resolve(heads: Heads, vocab: VocabSection, *, vocab_size: int | None = None,
+            tokenizer: Any = None, vocab_shard: tuple[int, int] | None = None) -> Sizes:
+    """The sizes from the heads, the policy's vocab section and attach's arguments; an
+    AttachError names the argument that does not fit."""
+    rows, embedding_rows, shard = heads.head_rows, heads.embedding_rows, None
+    if vocab_shard is not None:
+        try:
+            rows = shard_sizes(vocab_shard, heads.head_rows, vocab.tensor_parallel)
+        except ValueError as e:
+            raise AttachError(str(e)) from None
+        shard = (vocab_shard[0], vocab_shard[1])
+        if embedding_rows == heads.head_rows:  # a vocab-parallel embedding, sharded alike
+            embedding_rows = rows
+    real = real_vocab({"vocab_size=": vocab_size, "policy vocab.real_size": vocab.real_size},
+                      tokenizer, rows)
+    if shard is not None and real <= shard[0]:
+        raise AttachError(
+            f"vocab_shard={shard} holds padding ids only (real vocab {real}): the guard needs "
+            "at least one real id per shard of a vocab-parallel head; use fewer padding rows "
+            "or a smaller tensor-parallel degree for the vocab")
+    aud = audit_sizes(real=real, rows=rows, embedding_rows=embedding_rows, tied=heads.tied,
+                      pad_multiple=vocab.pad_multiple, tensor_parallel=vocab.tensor_parallel)
+    if shard is None:
+        columns, real_columns = rows, min(real, rows)
+    else:  # the head's columns are global ids [start, end): padding from id `real` on
+        columns = shard[1] - shard[0]
+        real_columns = min(max(real - shard[0], 0), columns)
+    # The embedding's padding starts at the real vocab, or like the head's when sharded alike.
+    alike = shard is not None and heads.embedding_rows == heads.head_rows
+    first = (real_columns if alike else min(real, heads.embedding_rows), real_columns)
+    return Sizes(aud, shard, columns, real_columns, first)
+
+
+def audit(model: nn.Module, *, vocab_size: int | None = None, tokenizer: Any = None,
+          tensor_parallel: int = 1, pad_multiple: int = 64, embedding: nn.Module | None = None,
+          lm_head: nn.Module | None = None) -> Audit:
+    """The three vocab sizes of `model`, tied or not, and alignment for TP 1/2/4/8."""
+    heads = discover(unwrap(model), embedding=embedding, lm_head=lm_head)
+    vocab = VocabSection(pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
+    return resolve(heads, vocab, vocab_size=vocab_size, tokenizer=tokenizer).audit

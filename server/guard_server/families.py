@@ -1,0 +1,86 @@
+"""The per-rank metric families of /metrics (DESIGN.md), one table: what the collector emits
+for a rank and what the store counts at ingest to bound a scrape (GUARD_SERVER_MAX_SERIES)
+before any scrape happens. A family added here is emitted and counted alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from guard_server.wire import ACTIONS, CHECKS, StepReport
+
+__all__ = ["Family", "MAX_SERIES_PER_RANK", "PER_RANK", "series_of"]  # noqa: RUF022 - sorted()
+
+# One sample: its label values beside run_id and rank, and its value.
+Samples = Sequence[tuple[tuple[str, ...], float]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One guard_* family with `run_id` and `rank` labels (plus `labels`)."""
+
+    name: str
+    kind: Literal["gauge", "counter"]
+    doc: str
+    labels: tuple[str, ...]
+    # The rank's samples from its latest report and the time the server last heard from it.
+    samples: Callable[[StepReport, float], Samples]
+    most: int = 1  # the most samples one rank can have
+
+
+def _one(value: float | None) -> Samples:
+    return () if value is None else (((), value),)
+
+
+def _violations(r: StepReport, seen: float) -> Samples:
+    return [((check, action), count) for check, by_action in r.violations.items()
+            for action, count in by_action.items()]
+
+
+PER_RANK: tuple[Family, ...] = (
+    Family("guard_step", "gauge", "Step of the latest report from this rank.", (),
+           lambda r, seen: _one(r.step)),
+    Family("guard_last_report_timestamp_seconds", "gauge",
+           "Unix time at which the server last accepted a report from this rank.", (),
+           lambda r, seen: _one(seen)),
+    Family("guard_loss", "gauge", "Last finite loss the guard saw on this rank.", (),
+           lambda r, seen: _one(r.loss)),
+    Family("guard_padding_mass_ratio", "gauge",
+           "Mean softmax probability on the padding columns [real, rows) over sampled tokens, "
+           "before any mask; should be ~0.", (), lambda r, seen: _one(r.padding_mass)),
+    Family("guard_padding_mass_max_ratio", "gauge",
+           "Largest per-token softmax probability on the padding columns, before any mask.", (),
+           lambda r, seen: _one(r.padding_mass_max)),
+    Family("guard_nonfinite_values_total", "counter",
+           "NaN/Inf values seen since attach, per tensor (logits, hidden, loss).", ("tensor",),
+           lambda r, seen: [(("logits",), r.nonfinite.logits), (("hidden",), r.nonfinite.hidden),
+                            (("loss",), r.nonfinite.loss)], most=3),
+    Family("guard_out_of_range_tokens_total", "counter",
+           "Token ids in [real, rows) or outside [0, rows) seen since attach, per kind.",
+           ("kind",), lambda r, seen: [(("input",), r.out_of_range.input),
+                                       (("label",), r.out_of_range.label)], most=2),
+    Family("guard_violations_total", "counter",
+           "Check violations since attach, per check and action.", ("check", "action"),
+           _violations, most=len(CHECKS) * len(ACTIONS)),
+    Family("guard_skipped_steps_total", "counter", "Optimizer steps dropped by action skip.", (),
+           lambda r, seen: _one(r.skipped_steps)),
+    Family("guard_halted", "gauge", "1 when this check's fail action stopped the run.",
+           ("check",), lambda r, seen: () if r.halted is None else (((r.halted,), 1),)),
+    Family("guard_vocab_size", "gauge",
+           "Vocabulary sizes: real (tokenizer), rows (embedding/lm_head), aligned (padded).",
+           ("kind",), lambda r, seen: [(("real",), r.vocab.real), (("rows",), r.vocab.rows),
+                                       (("aligned",), r.vocab.aligned)], most=3),
+    Family("guard_dropped_reports_total", "counter",
+           "Reports the client dropped because its queue was full.", (),
+           lambda r, seen: _one(r.dropped_reports)),
+)
+
+# The most series one rank can put on /metrics: every check with every action, a halt, the
+# loss and both padding-mass ratios.
+MAX_SERIES_PER_RANK = sum(f.most for f in PER_RANK)
+
+
+def series_of(report: StepReport) -> int:
+    """The series `report` adds to a scrape (what the collector emits for its rank)."""
+    return sum(len(f.samples(report, 0.0)) for f in PER_RANK)
