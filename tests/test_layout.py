@@ -81,3 +81,19 @@ def test_every_per_step_check_has_one_spec_and_a_policy_model() -> None:
     assert (GUARD / "checks").is_dir()
     modules = {p.stem for p in (GUARD / "checks").glob("*.py")}
     assert {s.name for s in CHECKS} <= modules  # guard/checks/<name>.py, one each
+
+
+def test_ci_runs_the_linters_before_the_tests() -> None:
+    """.ci/run runs the README's test command; it must run ruff and mypy --strict, so a lint
+    or type error fails CI like a failing test."""
+    import re
+
+    root = GUARD.parent
+    readme = (root / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.rstrip().endswith("# set up and run the tests"))
+    assert "scripts/check" in line
+    steps = [x for x in (root / "scripts" / "check").read_text().splitlines()
+             if x.startswith(('"$py"', "exec"))]
+    assert [re.sub(r'^(exec )?"\$py" -m ', "", x).split()[0] for x in steps] == \
+        ["ruff", "mypy", "pytest"]
+    assert any("mypy --strict" in x for x in steps)

@@ -9,7 +9,7 @@ their figures (guard/step/record.py); nothing else needs to know that a check ex
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
 from guard.policy import Policy
@@ -102,7 +102,7 @@ class Spec(Generic[F]):
     # The slots that make it fire, and the value above which they do.
     thresholds: Callable[[Policy, Watching], Mapping[Slot, float]] = _no_thresholds
     needs: tuple[SeenKind, ...] = ()  # what a training step must show it (coverage)
-    stats: Callable[[F], Stats] = field(default=_no_stats)
+    stats: Callable[[F], Stats] = _no_stats  # its figures in g.stats and on the wire
     describe: Callable[[F, Context], Found | None] | None = None
 
     @property
