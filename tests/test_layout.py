@@ -83,17 +83,38 @@ def test_every_per_step_check_has_one_spec_and_a_policy_model() -> None:
     assert {s.name for s in CHECKS} <= modules  # guard/checks/<name>.py, one each
 
 
-def test_ci_runs_the_linters_before_the_tests() -> None:
+def test_ci_runs_the_linters_with_the_tests() -> None:
     """.ci/run runs the README's test command; it must run ruff and mypy --strict, so a lint
     or type error fails CI like a failing test."""
-    import re
-
     root = GUARD.parent
     readme = (root / "README.md").read_text()
     line = next(x for x in readme.splitlines() if x.rstrip().endswith("# set up and run the tests"))
     assert "scripts/check" in line
-    steps = [x for x in (root / "scripts" / "check").read_text().splitlines()
-             if x.startswith(('"$py"', "exec"))]
-    assert [re.sub(r'^(exec )?"\$py" -m ', "", x).split()[0] for x in steps] == \
-        ["ruff", "mypy", "pytest"]
-    assert any("mypy --strict" in x for x in steps)
+    check = (root / "scripts" / "check").read_text()
+    assert '"$py" -m ruff check . || exit' in check
+    assert '"$py" -m mypy --strict' in check and 'exit "$types"' in check
+    assert '"$py" -m pytest -q "$@"' in check
+
+
+def test_the_check_fails_on_a_type_error(tmp_path: Path) -> None:
+    """scripts/check's exit status carries mypy's: a copy of the script over a tree whose one
+    module has a type error, and a stand-in python that runs mypy for real and passes the
+    rest."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = GUARD.parent
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(root / "scripts" / "check", tree / "scripts" / "check")
+    (tree / "bad.py").write_text("def f() -> int:\n    return 'x'\n")
+    (tree / ".venv" / "bin").mkdir(parents=True)
+    fake = tree / ".venv" / "bin" / "python"
+    fake.write_text(f"#!/bin/sh\nif [ \"$2\" = mypy ]; then exec {sys.executable} -m mypy "
+                    "--strict --no-incremental bad.py; fi\nexit 0\n")
+    fake.chmod(0o755)
+    done = subprocess.run(["bash", str(tree / "scripts" / "check")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert 'Incompatible return value type (got "str", expected "int")' in done.stderr

@@ -4,6 +4,7 @@ check explains a quiet one."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from guard.checks import (
@@ -26,6 +27,7 @@ CHECKS: tuple[Spec[Any], ...] = (token_range.SPEC, padding_mass.SPEC, nonfinite.
 SPECS: tuple[Spec[Any], ...] = (loss.SPEC, *CHECKS)
 
 
+@functools.cache  # a Policy is frozen: asked at every read, answered once
 def watching(policy: Policy) -> Watching:
     """Per kind of data, the enabled checks that need it; {} where coverage is off."""
     if not policy.enabled("coverage"):

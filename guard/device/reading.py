@@ -23,6 +23,13 @@ class Layout:
         self.index: Mapping[Slot, int] = {slot: i for i, slot in enumerate(self.slots)}
         if len(self.index) != len(self.slots):
             raise ValueError("a slot is listed by two specs")
+        # Each check's slots, a slice of the vector (a spec's slots are laid out together).
+        self._checks: list[tuple[str, slice]] = []
+        first = 0
+        for spec in self.specs:
+            if spec.is_check:
+                self._checks.append((spec.name, slice(first, first + len(spec.slots))))
+            first += len(spec.slots)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -42,7 +49,7 @@ class Layout:
         return out
 
     def values(self, raw: Sequence[float]) -> Values:
-        view = _Raw(self.index, raw)
+        view = dict(zip(self.slots, raw, strict=True))  # slot -> value, for the specs
         return Values({spec.name: spec.figures(view) for spec in self.specs})
 
     def reading(self, local: Sequence[float], glob: Sequence[float],
@@ -51,20 +58,12 @@ class Layout:
         1 + the highest rank past the slot's threshold (0: none)."""
         crossed = frozenset(slot for slot, w in zip(self.slots, who, strict=True) if w > 0)
         over: dict[str, int | None] = {}
-        for spec in self.specs:
-            if spec.is_check:
-                top = max((who[self.index[s]] for s in spec.slots), default=0.0)
-                over[spec.name] = int(top) - 1 if top > 0 else None
-        return Reading(self.values(local), self.values(glob), over, crossed)
-
-
-@dataclass(frozen=True)
-class _Raw:
-    index: Mapping[Slot, int]
-    raw: Sequence[float]
-
-    def __getitem__(self, slot: Slot) -> float:
-        return self.raw[self.index[slot]]
+        for name, slots in self._checks:
+            top = max(who[slots], default=0.0)
+            over[name] = int(top) - 1 if top > 0 else None
+        mine = self.values(local)
+        # One process (or every rank alike): the all-rank figures are this rank's.
+        return Reading(mine, mine if glob == local else self.values(glob), over, crossed)
 
 
 class Values:

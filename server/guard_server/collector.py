@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.samples import Sample
 
 from guard_server.families import PER_RANK, Family
 from guard_server.store import Snapshot, Store
@@ -25,12 +26,22 @@ def _family(f: Family) -> GaugeMetricFamily | CounterMetricFamily:
 def build_families(snap: Snapshot) -> list[Metric]:
     """Build the guard_* families of DESIGN.md from one snapshot (one pass over the ranks):
     the per-rank table (guard_server/families.py), then the server's own."""
-    families = [(_family(f), f.samples) for f in PER_RANK]
+    families = [_family(f) for f in PER_RANK]
+    # This loop is most of a scrape's own cost, so each sample is written as add_metric would
+    # write it (the sample name, a dict of labels), without a dict(zip()) per sample: a rank's
+    # run_id/rank dict is built once and shared by its samples without labels of their own
+    # (the encoders only read it).
+    writers = [(family.samples.append, family.name + ("_total" if f.kind == "counter" else ""),
+                f.labels, f.samples) for family, f in zip(families, PER_RANK, strict=True)]
     for view in snap.ranks:
-        run_id, rank, r, seen = view.run_id, str(view.rank), view.latest, view.last_seen
-        for family, samples in families:
+        rank, r, seen = {"run_id": view.run_id, "rank": str(view.rank)}, view.latest, view.last_seen
+        for append, name, names, samples in writers:
             for extra, value in samples(r, seen):
-                family.add_metric([run_id, rank, *extra], value)
+                labels = rank
+                if extra:
+                    labels = rank.copy()
+                    labels.update(zip(names, extra, strict=True))
+                append(Sample(name, labels, value))
 
     ingested = CounterMetricFamily(
         "guard_ingest_reports_total", "Step reports this server accepted.", value=snap.reports_total
@@ -49,7 +60,7 @@ def build_families(snap: Snapshot) -> list[Metric]:
                               "all runs.", value=len(snap.ranks))
     held = GaugeMetricFamily("guard_server_bytes", "Estimated bytes of state held (reports and "
                              "events), what GUARD_SERVER_MAX_BYTES bounds.", value=snap.held_bytes)
-    return [*(family for family, _ in families), ingested, rejected, runs, ranks, held]
+    return [*families, ingested, rejected, runs, ranks, held]
 
 
 class StoreCollector(Collector):

@@ -12,7 +12,8 @@ from guard_server.wire import ACTIONS, CHECKS, StepReport
 
 __all__ = ["Family", "MAX_SERIES_PER_RANK", "PER_RANK", "series_of"]  # noqa: RUF022 - sorted()
 
-# One sample: its label values beside run_id and rank, and its value.
+# A rank's samples of a family: each its label values beside run_id and rank, and its value
+# (written out per family, not through a helper: the collector calls each once per rank).
 Samples = Sequence[tuple[tuple[str, ...], float]]
 
 
@@ -29,10 +30,6 @@ class Family:
     most: int = 1  # the most samples one rank can have
 
 
-def _one(value: float | None) -> Samples:
-    return () if value is None else (((), value),)
-
-
 def _violations(r: StepReport, seen: float) -> Samples:
     return [((check, action), count) for check, by_action in r.violations.items()
             for action, count in by_action.items()]
@@ -40,18 +37,20 @@ def _violations(r: StepReport, seen: float) -> Samples:
 
 PER_RANK: tuple[Family, ...] = (
     Family("guard_step", "gauge", "Step of the latest report from this rank.", (),
-           lambda r, seen: _one(r.step)),
+           lambda r, seen: (((), r.step),)),
     Family("guard_last_report_timestamp_seconds", "gauge",
            "Unix time at which the server last accepted a report from this rank.", (),
-           lambda r, seen: _one(seen)),
+           lambda r, seen: (((), seen),)),
     Family("guard_loss", "gauge", "Last finite loss the guard saw on this rank.", (),
-           lambda r, seen: _one(r.loss)),
+           lambda r, seen: () if r.loss is None else (((), r.loss),)),
     Family("guard_padding_mass_ratio", "gauge",
            "Mean softmax probability on the padding columns [real, rows) over sampled tokens, "
-           "before any mask; should be ~0.", (), lambda r, seen: _one(r.padding_mass)),
+           "before any mask; should be ~0.", (),
+           lambda r, seen: () if r.padding_mass is None else (((), r.padding_mass),)),
     Family("guard_padding_mass_max_ratio", "gauge",
            "Largest per-token softmax probability on the padding columns, before any mask.", (),
-           lambda r, seen: _one(r.padding_mass_max)),
+           lambda r, seen: () if r.padding_mass_max is None
+           else (((), r.padding_mass_max),)),
     Family("guard_nonfinite_values_total", "counter",
            "NaN/Inf values seen since attach, per tensor (logits, hidden, loss).", ("tensor",),
            lambda r, seen: [(("logits",), r.nonfinite.logits), (("hidden",), r.nonfinite.hidden),
@@ -64,7 +63,7 @@ PER_RANK: tuple[Family, ...] = (
            "Check violations since attach, per check and action.", ("check", "action"),
            _violations, most=len(CHECKS) * len(ACTIONS)),
     Family("guard_skipped_steps_total", "counter", "Optimizer steps dropped by action skip.", (),
-           lambda r, seen: _one(r.skipped_steps)),
+           lambda r, seen: (((), r.skipped_steps),)),
     Family("guard_halted", "gauge", "1 when this check's fail action stopped the run.",
            ("check",), lambda r, seen: () if r.halted is None else (((r.halted,), 1),)),
     Family("guard_vocab_size", "gauge",
@@ -73,7 +72,7 @@ PER_RANK: tuple[Family, ...] = (
                                        (("aligned",), r.vocab.aligned)], most=3),
     Family("guard_dropped_reports_total", "counter",
            "Reports the client dropped because its queue was full.", (),
-           lambda r, seen: _one(r.dropped_reports)),
+           lambda r, seen: (((), r.dropped_reports),)),
 )
 
 # The most series one rank can put on /metrics: every check with every action, a halt, the
