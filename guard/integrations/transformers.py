@@ -111,11 +111,15 @@ class GuardCallback(GuardedTraining, TrainerCallback):
                 "train a head without padding rows")
         self._logged_at = -1
         if trainer is None:
-            log.warning("guard: GuardCallback was given as callbacks=[...], so it runs after the "
-                        "report_to callbacks (they log no guard/ figures) and cannot see a "
-                        "compute_loss_func's loss (coverage reports the steps without one); "
-                        "use guard.integrations.transformers.guard_trainer(trainer, ...) "
-                        "for both (docs/integrations.md)")
+            # Given as callbacks=[...]: a compute_loss_func's loss goes unseen, which coverage
+            # reports at step 1; the reporters run first, which only this line can say.
+            reporters = list(getattr(args, "report_to", None) or [])
+            (log.warning if reporters else log.info)(
+                "guard: GuardCallback was given as callbacks=[...], so it runs after the "
+                "report_to callbacks (%s: they log no guard/ figures) and cannot see a "
+                "compute_loss_func's loss (coverage reports the steps without one); use "
+                "guard.integrations.transformers.guard_trainer(trainer, ...) for both "
+                "(docs/integrations.md)", ", ".join(reporters) or "none here")
         elif loss_func is not None:
             self._feed_loss(trainer, loss_func, g)
 

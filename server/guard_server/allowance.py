@@ -21,7 +21,7 @@ class StepAllowance:
     steps: float
     at: float
 
-    def left_after(self, move: int, now: float, *, rate: float | None,
+    def left_after(self, move: int, now: float, rate: float | None,
                    burst: float) -> float | None:
         """What is left once `move` steps are spent at `now`, or None when the bucket (refilled
         since `at`) does not hold them. Spends nothing: `keep` does, once the move is stored."""

@@ -59,13 +59,15 @@ class Budget:
         self.series = 0
         self.ranks = 0
 
-    def over(self, growth: int, new_series: int) -> Over | None:
-        """The cap that `growth` more bytes or `new_series` more series would pass."""
+    def take(self, growth: int, new_series: int, ranks: int = 0) -> Over | None:
+        """Hold `growth` more bytes and `new_series` more series (and `ranks` more ranks), or
+        return the cap that would pass, holding nothing."""
         s = self.settings
         if growth > 0 and self.bytes + growth > s.state_bytes:
             return Over("bytes", s.max_bytes)
         if new_series > 0 and self.series + new_series > s.max_series:
             return Over("series", s.max_series)
+        self.add(growth, new_series, ranks)
         return None
 
     def over_cap(self, runs: int, ranks_in_run: int | None) -> Over | None:

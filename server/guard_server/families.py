@@ -28,6 +28,10 @@ class Family:
     # The rank's samples from its latest report and the time the server last heard from it.
     samples: Callable[[StepReport, float], Samples]
     most: int = 1  # the most samples one rank can have
+    varies: bool = False  # the count depends on the report (else every rank has `most`)
+    # The number of samples without building them, where that is cheaper (counted at every
+    # ingest; tests/server/test_collector.py holds it to len(samples)).
+    count: Callable[[StepReport], int] | None = None
 
 
 def _violations(r: StepReport, seen: float) -> Samples:
@@ -42,15 +46,16 @@ PER_RANK: tuple[Family, ...] = (
            "Unix time at which the server last accepted a report from this rank.", (),
            lambda r, seen: (((), seen),)),
     Family("guard_loss", "gauge", "Last finite loss the guard saw on this rank.", (),
-           lambda r, seen: () if r.loss is None else (((), r.loss),)),
+           lambda r, seen: () if r.loss is None else (((), r.loss),), varies=True),
     Family("guard_padding_mass_ratio", "gauge",
            "Mean softmax probability on the padding columns [real, rows) over sampled tokens, "
            "before any mask; should be ~0.", (),
-           lambda r, seen: () if r.padding_mass is None else (((), r.padding_mass),)),
+           lambda r, seen: () if r.padding_mass is None else (((), r.padding_mass),),
+           varies=True),
     Family("guard_padding_mass_max_ratio", "gauge",
            "Largest per-token softmax probability on the padding columns, before any mask.", (),
            lambda r, seen: () if r.padding_mass_max is None
-           else (((), r.padding_mass_max),)),
+           else (((), r.padding_mass_max),), varies=True),
     Family("guard_nonfinite_values_total", "counter",
            "NaN/Inf values seen since attach, per tensor (logits, hidden, loss).", ("tensor",),
            lambda r, seen: [(("logits",), r.nonfinite.logits), (("hidden",), r.nonfinite.hidden),
@@ -61,11 +66,13 @@ PER_RANK: tuple[Family, ...] = (
                                        (("label",), r.out_of_range.label)], most=2),
     Family("guard_violations_total", "counter",
            "Check violations since attach, per check and action.", ("check", "action"),
-           _violations, most=len(CHECKS) * len(ACTIONS)),
+           _violations, most=len(CHECKS) * len(ACTIONS), varies=True,
+           count=lambda r: sum(map(len, r.violations.values()))),
     Family("guard_skipped_steps_total", "counter", "Optimizer steps dropped by action skip.", (),
            lambda r, seen: (((), r.skipped_steps),)),
     Family("guard_halted", "gauge", "1 when this check's fail action stopped the run.",
-           ("check",), lambda r, seen: () if r.halted is None else (((r.halted,), 1),)),
+           ("check",), lambda r, seen: () if r.halted is None else (((r.halted,), 1),),
+           varies=True),
     Family("guard_vocab_size", "gauge",
            "Vocabulary sizes: real (tokenizer), rows (embedding/lm_head), aligned (padded).",
            ("kind",), lambda r, seen: [(("real",), r.vocab.real), (("rows",), r.vocab.rows),
@@ -80,6 +87,14 @@ PER_RANK: tuple[Family, ...] = (
 MAX_SERIES_PER_RANK = sum(f.most for f in PER_RANK)
 
 
+_FIXED = sum(f.most for f in PER_RANK if not f.varies)
+_VARYING = tuple((f.count, f.samples) for f in PER_RANK if f.varies)
+
+
 def series_of(report: StepReport) -> int:
-    """The series `report` adds to a scrape (what the collector emits for its rank)."""
-    return sum(len(f.samples(report, 0.0)) for f in PER_RANK)
+    """The series `report` adds to a scrape (what the collector emits for its rank): counted
+    at every ingest, so only the families whose count varies are asked."""
+    n = _FIXED
+    for count, samples in _VARYING:
+        n += count(report) if count is not None else len(samples(report, 0.0))
+    return n

@@ -143,8 +143,7 @@ class Store:
         if state is None or state.attach_id != latest.attach_id:
             return self._replace(batch, own, state, latest, now)
         rate, burst = self.settings.max_step_rate, float(self.settings.step_burst)
-        left = state.allowance.left_after(latest.step - state.latest.step, now, rate=rate,
-                                          burst=burst)
+        left = state.allowance.left_after(latest.step - state.latest.step, now, rate, burst)
         if left is None:
             self.rejections.count("implausible_step")
             bound = state.latest.step + state.allowance.bound(now, rate=rate, burst=burst)
@@ -166,14 +165,13 @@ class Store:
             series = series_of(latest)
         if events is not None:
             nbytes += sum(map(event_bytes, events)) - sum(map(event_bytes, state.events))
-        if (over := self._budget.over(nbytes - state.nbytes, series - state.series)) is not None:
+        if (over := self._budget.take(nbytes - state.nbytes, series - state.series)) is not None:
             return over
         if superseded:
             state.latest = _without_events(latest)
         if events is not None:
             state.events.clear()
             state.events.extend(events)
-        self._budget.add(nbytes - state.nbytes, series - state.series)
         state.nbytes, state.series = nbytes, series
         state.last_seen = now
         state.finished_at = now if state.latest.final else None
@@ -190,11 +188,10 @@ class Store:
         new_series = series - (old.series if old is not None else 0)
         ranks = self._runs.get(batch.run_id)
         growth += run_bytes(batch.run_id) if ranks is None else 0
-        over = None
-        if old is None:
-            over = self._budget.over_cap(len(self._runs), None if ranks is None else len(ranks))
-        over = over or self._budget.over(growth, new_series)
-        if over is not None:
+        if old is None and (over := self._budget.over_cap(
+                len(self._runs), None if ranks is None else len(ranks))) is not None:
+            return over
+        if (over := self._budget.take(growth, new_series, ranks=old is None)) is not None:
             return over
         previous, warned = None, False
         if old is not None:
@@ -205,7 +202,6 @@ class Store:
             events=deque(events, maxlen=keep), nbytes=nbytes, series=series,
             allowance=StepAllowance(float(self.settings.step_burst), now), warned=warned,
         )
-        self._budget.add(growth, new_series, ranks=old is None)
         return None
 
     def _note_replaced(self, batch: ReportBatch, old: _Rank, latest: StepReport) -> bool:

@@ -228,8 +228,22 @@ def test_hf_callback_given_as_callbacks_says_what_needs_the_trainer(
     t = hf_trainer(tmp_path, model, tok, examples(tok), [cb], report_to=["tensorboard"])
     t.train()
     assert "GuardCallback was given as callbacks=[...], so it runs after the report_to " \
-           "callbacks (they log no guard/ figures) and cannot see a compute_loss_func's loss" \
-           in caplog.text
+           "callbacks (tensorboard: they log no guard/ figures) and cannot see a " \
+           "compute_loss_func's loss" in caplog.text
+    assert [r.levelname for r in caplog.records if "callbacks=[...]" in r.message] == ["WARNING"]
     assert "use guard.integrations.transformers.guard_trainer(trainer, ...)" in caplog.text
     assert not scalars(tmp_path, "train/")  # indeed: no figures reached TensorBoard
     assert cb.guard is not None and cb.guard.stats["step"] == STEPS  # guarded all the same
+
+def test_hf_callback_given_as_callbacks_without_reporters_only_informs(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """No report_to: nothing is lost that coverage would not report, so no warning."""
+    import logging
+
+    tok = word_tokenizer()
+    t = hf_trainer(tmp_path, gpt2(len(tok)), tok, examples(tok), [GuardCallback(policy=WARN)],
+                   max_steps=1)
+    with caplog.at_level(logging.INFO, logger="guard"):
+        t.train()
+    said = [r.levelname for r in caplog.records if "callbacks=[...]" in r.message]
+    assert said == ["INFO"]
