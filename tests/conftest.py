@@ -30,14 +30,17 @@ def policy(**checks: dict[str, Any]) -> dict[str, Any]:
 
 def tiny_gpt(rows: int = 128, *, seed: int = 0, tie: bool = True, garbage: float | None = None,
              real: int = 100) -> GPT:
-    """A 2-layer GPT with `rows` vocab rows; `garbage` fills rows [real, rows) like an
-    uninitialised resize."""
+    """A 2-layer GPT with `rows` vocab rows; `garbage` fills rows [real, rows) of the head
+    with normal noise of that std, like an uninitialised resize (the rows' init std is 0.02;
+    a constant row is no garbage for the softmax: the final LayerNorm's output sums to 0)."""
     torch.manual_seed(seed)
     m = GPT(GPTConfig(vocab_size=rows, block_size=32, n_layer=2, n_head=2, n_embd=32,
                       tie_weights=tie))
     if garbage is not None:
+        noise = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
-            m.lm_head.weight[real:] = garbage
+            w = m.lm_head.weight
+            w[real:] = torch.randn(w.shape[0] - real, w.shape[1], generator=noise) * garbage
     return m
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from guard.checks.spec import Context, Found, Raw, SeenKind, Slot, Spec, Watching
+from guard.checks.spec import Context, Found, Raw, SeenKind, Setup, Slot, Spec
 from guard.policy import Policy
 
 __all__ = ["BLIND", "SEEN", "SPEC", "Coverage"]
@@ -28,10 +28,10 @@ def _figures(raw: Raw) -> Coverage:
     return Coverage({k: int(raw[slot]) for k, slot in BLIND.items()})
 
 
-def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     # A blind step is a violation only where a check that is on needs the data: decided here,
     # once, on the device (the verdict reads which slots crossed).
-    return {BLIND[kind]: 0.0 for kind in watching}
+    return {BLIND[kind]: 0.0 for kind in setup.watching}
 
 
 def _blind(kind: SeenKind, head: str) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from guard.checks import loss
-from guard.checks.spec import Context, Found, Raw, Slot, Spec, Watching, fmt
+from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, fmt
 from guard.policy import Policy
 
 __all__ = ["RATIO", "SPEC", "SPIKE", "LossSpike"]
@@ -25,7 +25,7 @@ def _figures(raw: Raw) -> LossSpike:
     return LossSpike(raw[RATIO])
 
 
-def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     # The rule itself runs on the device and writes 1 to SPIKE when it holds.
     return {SPIKE: 0.0}
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from guard.checks.spec import Context, Found, Raw, Slot, Spec, Stats, Watching, listed
+from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, listed
 from guard.policy import Policy
 
 __all__ = ["HIDDEN", "LOGITS", "LOSS", "SLOTS", "SPEC", "Nonfinite", "Tensor"]
@@ -30,7 +30,7 @@ def _figures(raw: Raw) -> Nonfinite:
     return Nonfinite({k: int(raw[slot]) for k, slot in SLOTS.items()})
 
 
-def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     return dict.fromkeys(SLOTS.values(), 0.0)
 
 

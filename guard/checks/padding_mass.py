@@ -1,37 +1,64 @@
 """padding_mass: the softmax probability on the padding columns [real, rows) of the logits,
-before any mask, over a sample of positions (all of them with `exact`)."""
+over a sample of positions (all of them with `exact`).
+
+Two levels. The figure is the mass before any mask, always measured and exported. A violation
+is mass the loss trains on beyond what healthy padding rows take: a padding row like a real
+token's (a normal init, HF's mean resize, a trained model's rows) gives its column about an
+average real id's probability, so P padding columns of N + P take about P / (N + P) of it, or
+much less once the real rows are trained; the seed's garbage rows take nearly all of it. Under
+`mask` the loss sees no padding column at all, so the mask doing its job is no violation; a
+loss computed where the mask cannot reach (a fused kernel that reads the head's weight) is.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from guard.checks.spec import Context, Found, Raw, Slot, Spec, Stats, Watching, fmt
+from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, fmt
 from guard.policy import Policy
 
-__all__ = ["COUNT", "FUSED", "MAX", "SPEC", "SUM", "PaddingMass"]
+__all__ = ["COUNT", "FUSED", "LOSS_MAX", "MAX", "SPEC", "SUM", "PaddingMass", "bound"]
 
 SUM = Slot("padding_mass.sum")  # the masses of the sampled positions, summed
 COUNT = Slot("padding_mass.count")  # positions sampled
-MAX = Slot("padding_mass.max", "max")  # the largest position's mass: what fires the check
+MAX = Slot("padding_mass.max", "max")  # the largest position's mass, before any mask
+# The largest position's mass in the logits the loss used: the same as MAX where nothing masks
+# them, none where the mask did (written by guard/device/logits.py). What fires the check.
+LOSS_MAX = Slot("padding_mass.loss_max", "max")
 FUSED = Slot("padding_mass.fused")  # forwards measured from the final hidden states (no head)
 
 
 @dataclass(frozen=True)
 class PaddingMass:
-    mean: float | None  # over the sampled positions; None: none sampled
+    mean: float | None  # over the sampled positions, before any mask; None: none sampled
     max: float | None
+    loss_max: float  # the largest mass the loss trained on
     fused: int  # forwards whose head was not called (a fused loss kernel read its weight)
+
+
+def bound(policy: Policy, real: int, columns: int) -> float:
+    """The largest mass per position that is no violation, for `real` real columns of
+    `columns`: the policy's absolute `threshold` where one is set, else the mass at which each
+    padding column takes `excess` times an average real id's probability."""
+    c = policy.checks.padding_mass
+    if c.threshold is not None:
+        return c.threshold
+    padding = columns - real
+    if padding <= 0:
+        return float("inf")
+    # m / P per padding column = excess * (1 - m) / N per real id  <=>  m = eP / (N + eP)
+    return c.excess * padding / (real + c.excess * padding)
 
 
 def _figures(raw: Raw) -> PaddingMass:
     count = raw[COUNT]
     return PaddingMass(raw[SUM] / count if count else None, raw[MAX] if count else None,
-                       int(raw[FUSED]))
+                       raw[LOSS_MAX], int(raw[FUSED]))
 
 
-def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
-    return {MAX: policy.checks.padding_mass.threshold}
+def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
+    return {LOSS_MAX: bound(policy, setup.real, setup.columns)}
 
 
 def _stats(f: PaddingMass) -> Stats:
@@ -39,21 +66,28 @@ def _stats(f: PaddingMass) -> Stats:
 
 
 def _describe(f: PaddingMass, c: Context) -> Found:
-    top, mean = f.max or 0.0, f.mean or 0.0
-    threshold = c.policy.checks.padding_mass.threshold
-    fix = ("The mask removes it from softmax and gradient." if c.policy.masks
-           else "Set checks.padding_mass.action: mask to mask them instead.")
+    top, mean = f.loss_max, f.mean or 0.0
+    padding, real = c.rows - c.real, c.real
+    limit = bound(c.policy, real, c.rows)
+    healthy = padding / c.rows  # each padding column at an average real id's probability
+    times = top * real / (padding * (1.0 - top)) if top < 1.0 else float("inf")
+    share = f"{fmt(times)}x" if times < 1e6 else "over 1e6x"
+    expected = (f"expected <= {limit:g} (checks.padding_mass.threshold)"
+                if c.policy.checks.padding_mass.threshold is not None else
+                f"{share} an average real id's share per padding column (healthy rows "
+                f"take about 1x, {fmt(healthy)} in all, or less once trained), expected <= "
+                f"{c.policy.checks.padding_mass.excess:g}x")
+    fix = ("Set checks.padding_mass.action: mask to take them out of softmax and gradient, and "
+           "look at the padding rows of the head (checks.padding_rows).")
     if f.fused and c.policy.masks:
-        fix = (f"But {c.head} was not called: a fused kernel computed the loss from its weight "
+        fix = (f"{c.head} was not called: a fused kernel computed the loss from its weight "
                "(measured here from the final hidden states) and the guard cannot mask a "
                f"kernel's logits. Pass it the real rows {c.head}.weight[:{c.real}] "
                "(docs/integrations.md, fused heads): then the padding takes no part in the loss.")
-    # Over ranks each slot is the largest rank's: with the same sample size on every rank (the
-    # usual case) the mean is the highest rank's mean, not the mean over ranks.
-    return Found(top, threshold, (
-        f"{fmt(top)} of the probability (mean {fmt(mean)}) is on the {c.rows - c.real} "
-        f"padding columns [{c.real}, {c.rows}), expected <= {threshold:g}; {c.next}. {fix}"))
+    return Found(top, limit, (
+        f"the loss trained on {fmt(top)} of the probability (mean {fmt(mean)}) on the "
+        f"{padding} padding columns [{c.real}, {c.rows}): {expected}; {c.next}. {fix}"))
 
 
-SPEC = Spec("padding_mass", (SUM, COUNT, MAX, FUSED), _figures, _thresholds, ("logits",),
-            _stats, _describe)
+SPEC = Spec("padding_mass", (SUM, COUNT, MAX, LOSS_MAX, FUSED), _figures, _thresholds,
+            ("logits",), _stats, _describe)

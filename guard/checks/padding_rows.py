@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from guard.checks.spec import Context, Found, Raw, Slot, Spec, Watching, fmt
+from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, fmt
 from guard.policy import Action, Policy
 
 __all__ = ["NONFINITE", "RATIO", "SPEC", "PaddingRows"]
@@ -26,7 +26,7 @@ def _figures(raw: Raw) -> PaddingRows:
     return PaddingRows(int(raw[NONFINITE]), raw[RATIO])
 
 
-def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     return {NONFINITE: 0.0, RATIO: policy.checks.padding_rows.factor}
 
 

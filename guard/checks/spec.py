@@ -14,8 +14,8 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 from guard.policy import Policy
 
-__all__ = ["Context", "Figures", "Found", "Raw", "Reduce", "SeenKind", "Slot", "Spec", "Stats",
-           "Watching", "fmt", "listed"]
+__all__ = ["Context", "Figures", "Found", "Raw", "Reduce", "SeenKind", "Setup", "Slot", "Spec",
+           "Stats", "Watching", "fmt", "listed"]
 
 # How a slot accumulates within a read window, and combines over ranks (all-reduce MAX) and
 # over two windows read at once (a lagged read still queued).
@@ -43,6 +43,15 @@ class Slot:
     # A per-step mark (set while the step sees its data, zeroed at each step boundary): this
     # slot counts the steps that ended with it still zero.
     without: Slot | None = None
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a check's thresholds may depend on besides the policy (fixed at attach)."""
+
+    watching: Watching  # per kind of data, the enabled checks that need it
+    real: int = 1  # real columns of this process's head output
+    columns: int = 1  # its output columns: real, then padding
 
 
 class Raw(Protocol):
@@ -84,7 +93,7 @@ class Found:
     once: str | None = None  # a key: only the first violation with it is logged and reported
 
 
-def _no_thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+def _no_thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     return {}
 
 
@@ -100,7 +109,7 @@ class Spec(Generic[F]):
     slots: tuple[Slot, ...]
     figures: Callable[[Raw], F]  # its figures of one window, from its slots
     # The slots that make it fire, and the value above which they do.
-    thresholds: Callable[[Policy, Watching], Mapping[Slot, float]] = _no_thresholds
+    thresholds: Callable[[Policy, Setup], Mapping[Slot, float]] = _no_thresholds
     needs: tuple[SeenKind, ...] = ()  # what a training step must show it (coverage)
     stats: Callable[[F], Stats] = _no_stats  # its figures in g.stats and on the wire
     describe: Callable[[F, Context], Found | None] | None = None

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from guard.checks.spec import Context, Found, Raw, Slot, Spec, Stats, Watching, listed
+from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, listed
 from guard.policy import Policy
 
 __all__ = ["INPUT", "LABEL", "MAX_ID", "NEGATIVE", "SLOTS", "SPEC", "Kind", "TokenRange"]
@@ -33,7 +33,7 @@ def _figures(raw: Raw) -> TokenRange:
                       int(raw[MAX_ID]))
 
 
-def _thresholds(policy: Policy, watching: Watching) -> Mapping[Slot, float]:
+def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     return dict.fromkeys(SLOTS.values(), 0.0)
 
 

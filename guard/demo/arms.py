@@ -16,7 +16,7 @@ from guard.demo.data import Corpus
 from guard.demo.model import GPT
 from guard.demo.scenarios import REAL
 
-__all__ = ["ArmResult", "Detectors", "generated_padding_ids", "largest_spike", "train"]
+__all__ = ["ArmResult", "Detectors", "bound", "generated_padding_ids", "largest_spike", "train"]
 
 BATCH, BLOCK = 8, 32
 LR = 3e-3
@@ -31,6 +31,10 @@ class ArmResult:
     losses: list[float] = field(default_factory=list)
     padding_mass: list[float] = field(default_factory=list)  # the model's softmax, per step
     noticed: int | None = None  # first step at which this arm's detector fired
+    # Guarded arms: padding_mass violations (the loss trained on ghost classes), and the reads
+    # whose padding mass before the mask was over the policy's bound (a figure).
+    violations: int | None = None
+    over_bound: int = 0
     verdict: str = ""
     padding_ids: int | None = None  # of GENERATED sampled tokens, how many were padding ids
     seconds: float = 0.0
@@ -78,21 +82,35 @@ def train(arm: ArmResult, model: GPT, opt: torch.optim.Optimizer, corpus: Corpus
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if g is not None and arm.noticed is None and _padding_mass_seen(g):
-                arm.noticed = step
+            if g is not None:
+                _read(arm, g, step)
             tick()
     except guard.GuardViolation as e:
         arm.noticed = arm.noticed or e.step
+        arm.violations = (arm.violations or 0) + 1
         arm.verdict = f"stopped at step {e.step}: {e}"
     finally:
         arm.seconds = time.perf_counter() - start
 
 
-def _padding_mass_seen(g: guard.Guard) -> bool:
-    # The failure this demo is about; the alignment warning at attach (50016 is not a multiple
-    # of 64) is reported before step 1 and printed apart.
-    counts: dict[str, int] = g.stats["violations"].get("padding_mass", {})
-    return sum(counts.values()) > 0
+def bound(real: int, rows: int, excess: float) -> float:
+    """The padding mass at which each padding column takes `excess` times an average real id's
+    probability (checks.padding_mass.excess): healthy rows take about 1x."""
+    padding = rows - real
+    return excess * padding / (real + excess * padding)
+
+
+def _read(arm: ArmResult, g: guard.Guard, step: int) -> None:
+    # The failure this demo is about, at both levels: the guard's violations (the loss trained
+    # on ghost classes) and its figure (the mass before any mask over the bound). The
+    # alignment warning at attach (50016 is not a multiple of 64) is printed apart.
+    s = g.stats
+    arm.violations = sum(s["violations"].get("padding_mass", {}).values())
+    limit = bound(g.real, g.rows, g.policy.checks.padding_mass.excess)
+    if s["padding_mass_max"] is not None and s["padding_mass_max"] > limit:
+        arm.over_bound += 1
+    if arm.noticed is None and (arm.violations or arm.over_bound):
+        arm.noticed = step
 
 
 def _observe(d: Detectors, step: int, loss: torch.Tensor) -> None:

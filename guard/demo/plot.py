@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from guard.demo.arms import ArmResult
+from guard.demo.arms import ArmResult, bound
 from guard.demo.scenarios import REAL, ROWS, Scenario
 
 __all__ = ["plot"]
@@ -52,8 +52,15 @@ def plot(arms: list[ArmResult], scenario: Scenario, path: Path) -> Path:
     if silent:
         loss_ax.text(0.99, 0.02, "never fired: " + ", ".join(silent), ha="right",
                      transform=loss_ax.transAxes, fontsize=8, color="dimgray")
-    mass_ax.axhline(1e-6, color="gray", lw=0.8, ls="--")
-    mass_ax.text(1, 1e-6, " threshold 1e-6", va="bottom", fontsize=8, color="gray")
+    # The two levels: what healthy padding rows take (each column at an average real id's
+    # probability), and the guard's bound at the default excess (10x that per column).
+    healthy, limit = (ROWS - REAL) / ROWS, bound(REAL, ROWS, 10.0)
+    mass_ax.axhline(healthy, color="green", lw=0.8, ls="--")
+    mass_ax.text(1, healthy, " healthy rows' share P/(N+P)", va="top", fontsize=8,
+                 color="green")
+    mass_ax.axhline(limit, color="gray", lw=0.8, ls="--")
+    mass_ax.text(1, limit, " the guard's bound (10x an average real id's share)",
+                 va="bottom", fontsize=8, color="gray")
     loss_ax.set_yscale("log")
     mass_ax.set_yscale("log")
     loss_ax.set_ylabel("training loss")

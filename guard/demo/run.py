@@ -154,18 +154,17 @@ def _run_arm(arm: ArmResult, args: argparse.Namespace, padded: Any, ref_model: A
             arm.padding_ids = generated_padding_ids(model, corpus, device, args.seed)
     finally:
         if g is not None:
-            stats = g.stats
             g.detach()
-            arm.verdict = arm.verdict or _mask_verdict(stats)
+            arm.verdict = arm.verdict or _mask_verdict(arm)
     if arm.name == "unguarded":
         arm.verdict = "nothing watches it"
     if arm.name == "reference":
         arm.verdict = "head over the real vocab only"
 
 
-def _mask_verdict(stats: dict[str, Any]) -> str:
-    n = stats["violations"].get("padding_mass", {}).get("mask", 0)
-    return f"masked: {n} reads with padding mass over 1e-6 before the mask"
+def _mask_verdict(arm: ArmResult) -> str:
+    return (f"masked: padding mass over 10x healthy before the mask at {arm.over_bound} reads; "
+            f"{arm.violations or 0} violations: the loss never saw it")
 
 
 def _fmt(x: float | None, spec: str = ".4g") -> str:
@@ -177,7 +176,7 @@ def _summary(console: Any, arms: list[ArmResult], ref: ArmResult, steps: int) ->
 
     t = Table(title=f"After {steps} steps (the NaN/Inf loss check and detect_anomaly watch "
                     "the unguarded run)")
-    for col in ("arm", "noticed at step", f"loss @{steps}", "vs ref",
+    for col in ("arm", "noticed at step", "violations", f"loss @{steps}", "vs ref",
                 "padding mass step 1 / last", f"padding ids / {GENERATED}", "verdict"):
         t.add_column(col)
     ref_loss = ref.final_loss
@@ -188,6 +187,7 @@ def _summary(console: Any, arms: list[ArmResult], ref: ArmResult, steps: int) ->
         t.add_row(
             a.name,
             "never" if a.noticed is None and a.name != "reference" else _fmt(a.noticed, "d"),
+            "-" if a.violations is None else str(a.violations),
             f"stopped @{a.steps_run}" if stopped else _fmt(a.final_loss, ".3f"),
             "-" if stopped else _fmt(gap, "+.3f"),
             "-" if not mass else f"{mass[0]:.2g} / {mass[-1]:.2g}",
@@ -195,6 +195,10 @@ def _summary(console: Any, arms: list[ArmResult], ref: ArmResult, steps: int) ->
             a.verdict.split(": ", 1)[0],
         )
     console.print(t)
+    console.print("Two levels: 'noticed' is the first read at which the padding mass before any "
+                  "mask was over 10x what healthy padding rows take (a figure the guard exports "
+                  "every step); 'violations' counts the steps the loss trained on it: fail "
+                  "stops at the first, mask keeps it out of the loss (none).")
 
 
 def _write_summary(path: Path, scenario: Scenario, arms: list[ArmResult], diff: float) -> None:

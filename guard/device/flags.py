@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from guard.checks import Slot, watching
+from guard.checks.spec import Setup
 from guard.device.reading import LAYOUT, Layout, Reading
 from guard.policy import Policy
 
@@ -25,13 +26,15 @@ def _dtype_for(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def thresholds(policy: Policy, layout: Layout = LAYOUT) -> dict[Slot, float]:
-    """The slots of the enabled checks that make them fire, and the value above which."""
-    watched = watching(policy)
+def thresholds(policy: Policy, real: int = 1, columns: int = 1,
+               layout: Layout = LAYOUT) -> dict[Slot, float]:
+    """The slots of the enabled checks that make them fire, and the value above which, for a
+    head with `real` real columns of `columns`."""
+    setup = Setup(watching(policy), real, columns)
     out: dict[Slot, float] = {}
     for spec in layout.specs:
         if spec.is_check and policy.enabled(spec.name):
-            out.update(spec.thresholds(policy, watched))
+            out.update(spec.thresholds(policy, setup))
     return out
 
 
@@ -55,8 +58,11 @@ class Flags:
         self._pending: _Entry | None = None
 
     @classmethod
-    def from_policy(cls, policy: Policy, device: torch.device, rank: int) -> Flags:
-        return cls(device, thresholds(policy), rank)
+    def from_policy(cls, policy: Policy, device: torch.device, rank: int, *, real: int = 1,
+                    columns: int = 1) -> Flags:
+        """`real` and `columns`: of this process's head output (some thresholds depend on
+        them)."""
+        return cls(device, thresholds(policy, real, columns), rank)
 
     @property
     def device(self) -> torch.device:

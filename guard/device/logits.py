@@ -70,7 +70,7 @@ class Logits:
     def measure(self, logits: torch.Tensor) -> None:
         c = self.cfg
         flat = logits.reshape(-1, c.columns)  # (tokens, columns); a view for contiguous logits
-        self._reduce(self._sample(flat))
+        self._reduce(self._sample(flat), masked=c.mask)  # the mask goes on after the measure
         if c.nonfinite and not c.exact and logits.dtype == torch.float16:
             # float16 logits can overflow at single (position, column) pairs the sample misses;
             # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
@@ -97,7 +97,8 @@ class Logits:
                 f.put(nonfinite.HIDDEN, nonfinite_count(positions))
             logits = torch.nn.functional.linear(positions.to(weight.dtype), weight,
                                                 bias if isinstance(bias, torch.Tensor) else None)
-            self._reduce(logits)  # (n, columns): already a sample
+            self._reduce(logits, masked=False)  # (n, columns): already a sample; the loss
+            # the kernel computes from the same rows is not masked
 
     def _sample(self, flat: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -110,8 +111,9 @@ class Logits:
             return sample_positions_at(flat, c.sample_tokens, self._offset)  # the same ones
         return sample_positions(flat, c.sample_tokens, self._step)
 
-    def _reduce(self, positions: torch.Tensor) -> None:
-        """Padding mass and non-finite counts of (n, columns) sampled logits, in chunks."""
+    def _reduce(self, positions: torch.Tensor, *, masked: bool) -> None:
+        """Padding mass and non-finite counts of (n, columns) sampled logits, in chunks.
+        `masked`: the loss sees these logits with the padding masked (no padding mass)."""
         c, f = self.cfg, self.flags
         real = c.real_columns
         per_chunk = chunk_positions(c.columns, positions.device)
@@ -123,7 +125,10 @@ class Logits:
                 # A NaN mass means NaN on the padding columns: count it as all the mass.
                 mass = torch.nan_to_num(mass, nan=1.0)
                 f.put(padding_mass.SUM, mass.sum())
-                f.put(padding_mass.MAX, mass.max())
+                top = mass.max()
+                f.put(padding_mass.MAX, top)
+                if not masked:
+                    f.put(padding_mass.LOSS_MAX, top)
             else:
                 lse_real = chunk[:, :real].sum(dim=-1, dtype=torch.float32)  # (n,)
             if c.padding_mass:

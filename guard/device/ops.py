@@ -53,7 +53,8 @@ def padding_mass_parts(logits: torch.Tensor, vocab_real: int) -> tuple[torch.Ten
     which never forms exp of a large logit, so it is exact for garbage of any size. The
     second value is non-finite exactly when a real column holds NaN or +Inf.
     """
-    # Half precision loses the small masses we alert on (1e-6); float64 input stays float64.
+    # Half precision loses small masses (the absolute threshold may be 1e-6); float64 input
+    # stays float64.
     x = logits if logits.dtype == torch.float64 else logits.float()
     lse_real = logsumexp(x[..., :vocab_real])
     lse_pad = logsumexp(x[..., vocab_real:])

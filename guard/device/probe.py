@@ -74,7 +74,8 @@ class Probe:
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
                     loss_shares: LossShares = "last", loss_scale: float = 1.0) -> Probe:
         device = next((p.device for p in heads.lm_head.parameters()), torch.device("cpu"))
-        flags = Flags.from_policy(policy, device, rank)
+        flags = Flags.from_policy(policy, device, rank, real=sizes.real_columns,
+                                  columns=sizes.columns)
         loss = StepLoss.from_policy(policy, flags, shares=loss_shares, scale=loss_scale)
         rows = PaddingRows.from_policy(policy, flags, heads, sizes.first_padding)
         return cls(ProbeConfig.from_policy(policy, sizes), flags, loss, rows)

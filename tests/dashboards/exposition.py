@@ -29,7 +29,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus 3 needs 
 # Which ranks each alert must fire for (test_live_queries.py); absent: fires for none.
 FIRING = {
     "GuardNonFinite": {"0"},
-    "GuardPaddingMassHigh": {"0"},  # rank 1 has the same mass but masks it
+    "GuardPaddingMassHigh": {"0"},  # rank 1 has the same mass but its mask keeps it out
     "GuardHalted": {"0"},
     "GuardTokenOutOfRange": {"0"},
     "GuardLossSpike": {"0"},
@@ -52,8 +52,8 @@ def fault_exposition(scrape: int, now: float) -> str:
         ("guard_step", "gauge", [(r0, 100 + n), (r1, 40)]),
         ("guard_last_report_timestamp_seconds", "gauge", [(r0, now), (r1, now - 600)]),
         ("guard_loss", "gauge", [(r0, 87.3), (r1, 2.1)]),
-        ("guard_padding_mass_ratio", "gauge", [(r0, 0.02), (r1, 0.02)]),
-        ("guard_padding_mass_max_ratio", "gauge", [(r0, 0.3), (r1, 0.3)]),
+        ("guard_padding_mass_ratio", "gauge", [(r0, 0.99), (r1, 0.99)]),  # garbage rows
+        ("guard_padding_mass_max_ratio", "gauge", [(r0, 1.0), (r1, 1.0)]),
         ("guard_nonfinite_values_total", "counter", [
             (f'{r0},tensor="logits"', 4 + n), (f'{r0},tensor="hidden"', 0),
             (f'{r0},tensor="loss"', n), (f'{r1},tensor="logits"', 0),
@@ -67,7 +67,7 @@ def fault_exposition(scrape: int, now: float) -> str:
             (f'{r0},check="loss_spike",action="warn"', n),
             (f'{r0},check="padding_mass",action="warn"', 5 * n),
             (f'{r0},check="nonfinite",action="fail"', 1),
-            (f'{r1},check="padding_mass",action="mask"', 5 * n),
+            (f'{r1},check="padding_mass",action="mask"', 0),  # the mask did its job
             (f'{r0},check="coverage",action="warn"', n),
             (f'{r1},check="coverage",action="warn"', 0),
         ]),

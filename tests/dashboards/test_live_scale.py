@@ -80,9 +80,9 @@ def values(rank: int, scrape: int, now: float) -> dict[str, float]:
         "guard_step": 100 + (0 if rank in SILENT else n if rank in STRAGGLER else 5 * n),
         "guard_last_report_timestamp_seconds": now - 600 if rank in SILENT else now,
         "guard_loss": 87.0 if bad else 2.0 + rank / 1e5,
-        "guard_padding_mass_ratio": 0.02 if bad else 1e-9,
-        "guard_padding_mass_max_ratio": 0.3 if bad else 1e-8,
-        'guard_violations_total{check="padding_mass",action="mask"}': 0,
+        "guard_padding_mass_ratio": 0.99 if bad else 0.02,  # garbage rows, or healthy ones
+        "guard_padding_mass_max_ratio": 1.0 if bad else 0.03,
+        'guard_violations_total{check="padding_mass",action="warn"}': n if bad else 0,
         'guard_violations_total{check="loss_spike",action="warn"}': n,
         'guard_violations_total{check="coverage",action="warn"}': n if bad else 0,
         'guard_nonfinite_values_total{tensor="logits"}': 4 * n if bad else 0,

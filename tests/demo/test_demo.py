@@ -35,6 +35,14 @@ def test_seed_scenario_the_guard_notices_at_step_1_and_no_nan_check_does(tmp_pat
     assert arms["fail"]["verdict"].startswith("stopped at step 1: padding_mass on rank 0")
     assert "[50000, 50016)" in arms["fail"]["verdict"]
     assert arms["mask"]["noticed"] == 1 and arms["mask"]["padding_ids"] == 0
+    # Both levels: the figure noticed by both guarded arms at step 1; a violation only where
+    # the loss trained on the ghost classes (fail stopped there), none where the mask kept them
+    # out of it.
+    assert (arms["fail"]["violations"], arms["mask"]["violations"]) == (1, 0)
+    assert arms["mask"]["over_bound"] == 8
+    assert arms["mask"]["verdict"].startswith("masked: padding mass over 10x healthy before "
+                                              "the mask at 8 reads; 0 violations")
+    assert arms["unguarded"]["violations"] is None
     assert summary["mask_vs_reference_max_abs_diff"] < 1e-4
     # The stall: behind the reference already after 8 steps.
     assert unguarded["final_loss"] > arms["reference"]["final_loss"] + 0.05

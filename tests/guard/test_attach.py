@@ -73,14 +73,27 @@ def test_tokenizer_larger_than_rows_is_a_vocab_violation() -> None:
 
 
 def test_padding_mass_warn_measures_and_counts() -> None:
-    m = tiny_gpt(garbage=0.5)
+    m = tiny_gpt(garbage=3.0)
     with guard.attach(m, policy=policy(padding_mass={"action": "warn"}), vocab_size=100) as g:
         train(m, 3, g=g)
         s = g.stats
     assert set(s) == STATS_KEYS
     assert s["step"] == 3 and s["violations"] == {"padding_mass": {"warn": 3}}
-    assert 0.05 < s["padding_mass"] <= s["padding_mass_max"] < 1
+    assert 0.5 < s["padding_mass"] <= s["padding_mass_max"] <= 1
     assert isinstance(s["loss"], float)
+
+
+def test_healthy_padding_rows_are_a_figure_not_a_violation() -> None:
+    """Padding rows initialised like the real ones take about P / (N + P) of the probability
+    (28 / 128 here): measured and reported, never a violation, under any action."""
+    for action in ("warn", "fail", "mask"):
+        m = tiny_gpt()
+        with guard.attach(m, policy=policy(padding_mass={"action": action}),
+                          vocab_size=100) as g:
+            train(m, 3, g=g)
+        s = g.stats
+        assert s["violations"] == {} and s["step"] == 3, action
+        assert 0.15 < s["padding_mass"] < 0.3, action
 
 
 def test_padding_mass_matches_the_pure_function_when_exact() -> None:
@@ -106,10 +119,11 @@ def test_padding_mass_fail_names_columns_and_fix() -> None:
         m(*batch())  # without optimizer= / g.step(), step 1 ends when step 2 starts
     g.detach()
     v = e.value
-    assert v.check == "padding_mass" and v.step == 1 and v.threshold == 1e-6 and v.value > 0.05
+    assert v.check == "padding_mass" and v.step == 1 and v.value > 280 / 380
+    assert v.threshold == pytest.approx(280 / 380)  # 10x an average real id's share
     msg = str(v)
     assert "rank 0 at step 1" in msg and "28 padding columns [100, 128)" in msg
-    assert "expected <= 1e-06" in msg and "checks.padding_mass.action: mask" in msg
+    assert "expected <= 10x" in msg and "checks.padding_mass.action: mask" in msg
 
 
 def test_mask_trains_like_a_model_over_the_real_vocab_only() -> None:
@@ -120,8 +134,8 @@ def test_mask_trains_like_a_model_over_the_real_vocab_only() -> None:
     with guard.attach(m, policy=policy(), vocab_size=100) as g:
         logits, loss = m(x, y)
         loss.backward()
-    assert g.stats["violations"] == {"padding_mass": {"mask": 1}}
-    assert g.stats["padding_mass"] > 0.1  # measured before the mask
+    assert g.stats["violations"] == {}  # the mask did its job: the loss saw no padding
+    assert g.stats["padding_mass"] > 0.9  # measured before the mask: the garbage's
     ref_logits, _ = ref(x)
     ref_loss = F.cross_entropy(ref_logits[..., :100].reshape(-1, 100), y.view(-1))
     assert torch.allclose(loss, ref_loss, atol=1e-6)
@@ -139,7 +153,7 @@ def test_mask_applies_in_eval_so_generation_never_picks_a_ghost() -> None:
 
 
 def test_warn_leaves_adamw_steps_bitwise_identical() -> None:
-    base = tiny_gpt(garbage=0.5)
+    base = tiny_gpt(garbage=3.0)
     guarded = copy.deepcopy(base)
     ref_losses = train(base, 5)
     opt = torch.optim.AdamW(guarded.parameters(), lr=1e-2)
@@ -218,7 +232,7 @@ def test_ghost_input_ids_and_labels() -> None:
     with guard.attach(m, policy=policy(), vocab_size=100) as g:
         _, loss = m(x, y)
         with pytest.raises(GuardViolation, match=r"1 input ids and 1 label ids outside \[0, 100\)"
-                           r".*also at this step: padding_mass, nonfinite"):
+                           r".*also at this step: nonfinite"):
             g.step(loss)  # the ghost label's logit is masked to -inf: the loss is inf too
     with guard.attach(m, policy=policy(token_range={"ignore_index": None, "action": "warn"}),
                       vocab_size=100) as g:
@@ -245,14 +259,17 @@ def test_hf_model_labels_kwarg_and_ghost_labels() -> None:
 def test_hf_model_each_check() -> None:
     m = hf_gpt2()
     m.train()
+    w = m.get_output_embeddings().weight
     with torch.no_grad():
-        m.get_output_embeddings().weight[100:] = 1.0
+        w[100:] = torch.randn(w.shape[0] - 100, w.shape[1],
+                              generator=torch.Generator().manual_seed(0)) * 3.0
     with guard.attach(m, policy=ALL_WARN, vocab_size=100) as g:
         m(input_ids=batch()[0], labels=batch()[1])
-    assert g.stats["padding_mass"] > 0
+    assert g.stats["padding_mass"] > 0.5 and g.stats["violations"]["padding_mass"] == {"warn": 1}
     with guard.attach(m, policy=policy(), vocab_size=100) as g:
         logits = m(input_ids=batch()[0]).logits
-    assert torch.isinf(logits[..., 100:]).all() and g.stats["violations"]["padding_mass"]
+    # no labels, no loss in that forward: coverage says so; padding_mass says nothing
+    assert torch.isinf(logits[..., 100:]).all() and "padding_mass" not in g.stats["violations"]
 
 
 # -- step boundaries, cadence, detach --------------------------------------------------------

@@ -62,7 +62,8 @@ def test_defaults_match_design() -> None:
     assert [p.action(c) for c in ("alignment", "vocab", "padding_mass", "nonfinite",
                                   "token_range", "loss_spike")] == \
         ["fail", "fail", "mask", "fail", "fail", "warn"]
-    assert p.checks.padding_mass.threshold == 1e-6 and p.checks.padding_mass.sample_tokens == 256
+    assert p.checks.padding_mass.threshold is None and p.checks.padding_mass.excess == 10.0
+    assert p.checks.padding_mass.sample_tokens == 256
     assert p.checks.token_range.ignore_index == -100
     assert (p.checks.loss_spike.factor, p.checks.loss_spike.window) == (10.0, 100)
     assert p.cadence.read_every == 1 and p.vocab.pad_multiple == 64

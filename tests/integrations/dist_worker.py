@@ -179,13 +179,14 @@ def mask_under_fsdp2() -> dict[str, Any]:
         ref_opt.zero_grad()
     unmasked = sharded(nanogpt(garbage=None))
     opt = torch.optim.AdamW(unmasked.parameters(), lr=1e-2)
+    out["fail"] = None
     with guard.attach(unmasked, policy=policy(padding_mass={"action": "fail"}), vocab_size=100,
                       optimizer=opt) as g:
         try:
             train(unmasked, opt, 2, g=g)
         except guard.GuardViolation as e:
             out["fail"] = violation(e)
-    out["unmasked_loss"] = g.stats["loss"]  # this rank's, at the failing step
+    out["unmasked_loss"] = g.stats["loss"]  # this rank's, at the last step
     return out
 
 

@@ -27,13 +27,17 @@ def nanogpt_module() -> ModuleType:
 def nanogpt(garbage: float | None = 3.0, seed: int = 0, *, rows: int = ROWS,
             real: int = REAL) -> torch.nn.Module:
     """A 2-layer nanoGPT with `rows` vocab rows; `garbage` fills the padding rows [real, rows)
-    of its tied wte / lm_head, as an uninitialised resize leaves them."""
+    of its tied wte / lm_head with normal noise of that std, as an uninitialised resize leaves
+    them (a constant row is no garbage for the softmax: the final LayerNorm's output sums
+    to 0)."""
     nano = nanogpt_module()
     torch.manual_seed(seed)
     cfg = nano.GPTConfig(block_size=32, vocab_size=rows, n_layer=2, n_head=2, n_embd=32,
                          dropout=0.0, bias=False)
     model: torch.nn.Module = nano.GPT(cfg)
     if garbage is not None:
+        noise = torch.Generator().manual_seed(seed + 1)
+        w = model.lm_head.weight
         with torch.no_grad():
-            model.lm_head.weight[real:] = garbage
+            w[real:] = torch.randn(w.shape[0] - real, w.shape[1], generator=noise) * garbage
     return model

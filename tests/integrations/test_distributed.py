@@ -131,7 +131,8 @@ def test_fsdp2_padding_rows_are_checked_and_repaired_on_each_shard_without_a_gat
             ("padding_rows", 0, 1)
         assert rows["fail"]["message"].startswith(
             "padding_rows on rank 1 at step 0: rows [20, 64) of transformer.wte.weight (tied: "
-            "lm_head.weight): the largest norm 4.352e+04x the largest real row's")
+            "lm_head.weight): the largest norm ")
+        assert "x the largest real row's, expected finite and <= 10x" in rows["fail"]["message"]
         assert rows["fail_left_rows"]  # fail changes nothing
         # repair: each rank sets the padding rows it holds to the mean of the whole weight's
         # real rows (rank 1 holds none of them); the real rows stay as they were.
@@ -159,9 +160,10 @@ def test_fsdp2_mask_trains_as_the_real_vocab_model(fsdp2: list[dict[str, Any]]) 
         stats = res["stats"]
         # Measured before the mask, on every step; nothing else fired and no check was blind.
         assert stats["padding_mass"] > 0.1
-        assert stats["violations"] == {"padding_mass": {"mask": 4}}
-        # Unmasked, both ranks stop at step 1, with the loss the padding columns inflate.
-        assert (res["fail"]["check"], res["fail"]["step"]) == ("padding_mass", 1)
+        assert stats["violations"] == {}  # the mask did its job
+        # Unmasked, healthy padding rows are no violation, even under fail: both ranks train
+        # on, with the loss the padding columns' healthy share inflates (-log(1 - 28/128)).
+        assert res["fail"] is None
     unmasked = (masked[0]["unmasked_loss"] + masked[1]["unmasked_loss"]) / 2
     assert unmasked > reference[0] + 0.1
 

@@ -76,7 +76,7 @@ def test_fail_stops_a_fused_forward_at_step_one(tied: bool) -> None:
     m = FusedGPT(tied=tied)
     with guard.attach(m, policy=policy(padding_mass={"action": "fail"}), vocab_size=REAL) as g, \
             pytest.raises(GuardViolation, match=r"padding_mass on rank 0 at step 1: "
-                          r"(1|0\.9\d*) of the probability") as e:
+                          r"the loss trained on (1|0\.9\d*) of the probability") as e:
         steps(m, g)
     assert e.value.step == 1
 

@@ -65,13 +65,13 @@ def fit(module: pl.LightningModule, cb: GuardCallback, steps: int, data: DataLoa
 
 
 def test_fit_is_guarded_per_optimizer_step_and_detached() -> None:
-    lm = LM(garbage=0.5)
+    lm = LM(garbage=3.0)
     assert guarded_module(lm) is lm.model
     cb = GuardCallback(policy=policy(), vocab_size=100)
     fit(lm, cb, 3, loader())
     s = cb.guard.stats if cb.guard else {}
     assert s["step"] == 3 and s["loss"] == pytest.approx(lm.losses[-1])
-    assert s["violations"] == {"padding_mass": {"mask": 3}} and s["padding_mass"] > 0.05
+    assert s["violations"] == {} and s["padding_mass"] > 0.05  # the mask did its job
     assert hook_count(lm) == 1  # the after-training mask on the head, until release()
     cb.release()
     assert hook_count(lm) == 0

@@ -184,7 +184,7 @@ class LoggingLM(LM):
 
 
 def test_lightning_writes_the_guard_figures_to_metrics_csv(tmp_path: Path) -> None:
-    lm = LoggingLM(garbage=0.5)
+    lm = LoggingLM(garbage=3.0)
     cb = StrictLightningGuard(policy=WARN, vocab_size=100)
     logger = CSVLogger(tmp_path, name="run", version=0)
     lightning_fit(lm, cb, logger)
@@ -207,7 +207,7 @@ def test_lightning_writes_the_guard_figures_to_metrics_csv(tmp_path: Path) -> No
 
 
 def test_lightning_writes_the_guard_figures_to_tensorboard(tmp_path: Path) -> None:
-    lm = LM(garbage=0.5)
+    lm = LM(garbage=3.0)
     cb = pl_guard.GuardCallback(policy=WARN, vocab_size=100)
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
     lightning_fit(lm, cb, logger)

@@ -95,7 +95,7 @@ def test_trainer_is_guarded_step_by_step_and_detached_at_the_end(tmp_path: Path)
     assert s["step"] == 3  # optimizer steps: the step pre-hook is the boundary
     assert isinstance(s["loss"], float) and s["loss"] > 0  # the model output's .loss
     assert s["padding_mass"] is not None and s["padding_mass"] > 0.01
-    assert s["violations"] == {"padding_mass": {"mask": 3}}
+    assert s["violations"] == {}  # the mask did its job
     # Detached: only the after-training mask on the head is left, until release().
     opt = t.optimizer.optimizer  # the torch optimizer inside accelerate's wrapper
     assert hook_count(model) == 1 and not opt._optimizer_step_pre_hooks
@@ -398,3 +398,28 @@ def test_guard_trainer_needs_a_trainer() -> None:
     with pytest.raises(AttachError, match=r"guard_trainer needs a transformers\.Trainer, got "
                        r"GuardCallback; for a plain loop use guard\.attach"):
         guard_trainer(GuardCallback())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mean_resizing", [True, False])
+def test_a_healthy_resized_model_records_no_violation_and_fail_never_stops(
+        tmp_path: Path, mean_resizing: bool) -> None:
+    """HF's resize_token_embeddings(pad_to_multiple_of=64), mean-resized (HF's default) or
+    normal-initialised: the padding columns take their healthy share, P / (N + P), which is a
+    figure. Under the default policy with padding_mass: fail, no check fires and the Trainer
+    runs to the end."""
+    tok = word_tokenizer()
+    real = len(tok)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=real, n_embd=32, n_layer=1, n_head=2,
+                                       n_positions=32, bos_token_id=0, eos_token_id=0,
+                                       pad_token_id=1))
+    model.resize_token_embeddings(real, pad_to_multiple_of=64, mean_resizing=mean_resizing)
+    t = trainer(model, tok, examples(tok), None, tmp_path, steps=3)
+    cb = guard_trainer(t, policy={"export": {"serve": None},
+                                  "checks": {"padding_mass": {"action": "fail"}}})
+    t.train()
+    assert t.state.global_step == 3 and cb.guard is not None
+    s = cb.guard.stats
+    assert s["violations"] == {} and s["step"] == 3
+    healthy = (64 - real) / 64
+    assert 0.5 * healthy < s["padding_mass"] < 1.5 * healthy

@@ -34,6 +34,7 @@ def test_each_slot_reduces_as_its_spec_says_and_the_reading_is_typed_per_spec() 
     for masses in ([0.1, 0.3], [0.2]):  # sums add, maxima max
         f.put(padding_mass.SUM, T(masses).sum())
         f.put(padding_mass.MAX, T(masses).max())
+        f.put(padding_mass.LOSS_MAX, T(masses).max())  # nothing masked them
         f.put(padding_mass.COUNT, 2)  # two positions, one with no padding column left
     f.put(nonfinite.HIDDEN, T(3))
     f.at_least(nonfinite.LOGITS, T(True))
@@ -59,18 +60,38 @@ def test_each_slot_reduces_as_its_spec_says_and_the_reading_is_typed_per_spec() 
     # Each check that crossed its threshold names this rank (2); the others none.
     assert r.over == {"token_range": 2, "padding_mass": 2, "nonfinite": 2, "loss_spike": 2,
                       "padding_rows": None, "coverage": None}
-    assert r.crossed == {padding_mass.MAX, nonfinite.HIDDEN, nonfinite.LOGITS,
+    assert r.crossed == {padding_mass.LOSS_MAX, nonfinite.HIDDEN, nonfinite.LOGITS,
                          token_range.LABEL, loss_spike.SPIKE}
 
 
 def test_the_padding_mass_threshold_is_the_policys() -> None:
+    # An absolute threshold where the policy sets one; on the mass the loss trained on only.
     f = flags(threshold=0.5)
-    f.put(padding_mass.MAX, T(0.4))
+    f.put(padding_mass.LOSS_MAX, T(0.4))
+    f.put(padding_mass.MAX, T(0.9))  # before a mask: a figure, never a violation
     r = f.read(lagged=False)
     assert r is not None and r.fired_on("padding_mass") is None
-    f.put(padding_mass.MAX, T(0.6))
+    f.put(padding_mass.LOSS_MAX, T(0.6))
     r = f.read(lagged=False)
     assert r is not None and r.fired_on("padding_mass") == 0
+
+
+def test_by_default_the_bound_is_ten_times_an_average_real_ids_share() -> None:
+    # 100 real columns of 128: each of the 28 padding columns may take up to 10x an average
+    # real id's probability, m / 28 = 10 (1 - m) / 100, m = 280 / 380.
+    pol = load_policy({})
+    f = Flags.from_policy(pol, torch.device("cpu"), 0, real=100, columns=128)
+    bound = 280 / 380
+    f.put(padding_mass.LOSS_MAX, T(bound - 1e-6))
+    r = f.read(lagged=False)
+    assert r is not None and r.fired_on("padding_mass") is None
+    f.put(padding_mass.LOSS_MAX, T(bound + 1e-6))
+    r = f.read(lagged=False)
+    assert r is not None and r.fired_on("padding_mass") == 0
+    no_padding = Flags.from_policy(pol, torch.device("cpu"), 0, real=128, columns=128)
+    no_padding.put(padding_mass.LOSS_MAX, T(1.0))
+    r = no_padding.read(lagged=False)
+    assert r is not None and r.fired_on("padding_mass") is None
 
 
 def test_a_read_resets_the_accumulator() -> None:

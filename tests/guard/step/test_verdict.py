@@ -39,14 +39,31 @@ def test_every_rank_skips_on_the_all_reduced_values() -> None:
 
 
 def test_padding_mass_message_gives_value_mean_columns_and_fix() -> None:
-    r = reading({padding_mass.SUM: 0.04, padding_mass.COUNT: 2, padding_mass.MAX: 0.041},
-                over={padding_mass.MAX: 0})
+    r = reading({padding_mass.SUM: 1.7, padding_mass.COUNT: 2, padding_mass.MAX: 0.9,
+                 padding_mass.LOSS_MAX: 0.9}, over={padding_mass.LOSS_MAX: 0})
     (pm,) = verdict(r, padding_mass={"action": "fail"}).violations
     assert pm.message == (
-        "padding_mass on rank 0 at step 7: 0.041 of the probability (mean 0.02) is on the 28 "
-        "padding columns [100, 128), expected <= 1e-06; stopping (action: fail). Set "
-        "checks.padding_mass.action: mask to mask them instead.")
-    assert (pm.value, pm.threshold) == (0.041, 1e-6)
+        "padding_mass on rank 0 at step 7: the loss trained on 0.9 of the probability (mean "
+        "0.85) on the 28 padding columns [100, 128): 32.1x an average real id's share per "
+        "padding column (healthy rows take about 1x, 0.219 in all, or less once trained), "
+        "expected <= 10x; stopping (action: fail). Set checks.padding_mass.action: mask to take "
+        "them out of softmax and gradient, and look at the padding rows of the head "
+        "(checks.padding_rows).")
+    assert (pm.value, pm.threshold) == (0.9, pytest.approx(280 / 380))
+    absolute = verdict(r, padding_mass={"action": "warn", "threshold": 1e-6}).violations[0]
+    assert "expected <= 1e-06 (checks.padding_mass.threshold); continuing" in absolute.message
+    assert absolute.threshold == 1e-6
+
+
+def test_under_mask_only_a_fused_loss_is_a_padding_mass_violation() -> None:
+    # The mask did its job: the mass before it is a figure (no LOSS_MAX), nothing fires. A
+    # forward whose loss a fused kernel computed is measured unmasked and fires.
+    fused = reading({padding_mass.SUM: 0.9, padding_mass.COUNT: 1, padding_mass.MAX: 0.9,
+                     padding_mass.LOSS_MAX: 0.9, padding_mass.FUSED: 1},
+                    over={padding_mass.LOSS_MAX: 0})
+    (pm,) = verdict(fused).violations
+    assert pm.action is Action.MASK and "lm_head was not called: a fused kernel" in pm.message
+    assert "Pass it the real rows lm_head.weight[:100]" in pm.message
 
 
 def test_causes_come_first_and_fail_names_the_others() -> None:
