@@ -175,6 +175,7 @@ class Guard:
         finally:
             self._record.emit(final=True)
             self._record.close()
+            self._record.summarise()
         s = self._sizes
         if keep_mask and self._policy.masks and s.shard is None and s.real < s.rows:
             self._kept = hook(self._heads.lm_head, mask_hook(s.real_columns, s.columns),

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from guard.checks import token_range
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, listed
 from guard.policy import Policy
 
@@ -41,9 +42,20 @@ def _stats(f: Nonfinite) -> Stats:
 
 def _describe(f: Nonfinite, c: Context) -> Found:
     seen, total = listed({_NAMES[k]: n for k, n in f.counts.items()}, "{n} in the {k}", ", ")
-    return Found(total, 0.0, (
-        f"NaN/Inf values: {seen}; expected none; {c.next}. Check the learning rate, the loss "
-        f"scale and the padding rows [{c.real}, {c.rows}) of the embedding / lm_head."))
+    kind = "+".join(k for k, n in f.counts.items() if n > 0)
+    ids = c.glob[token_range.SPEC]
+    if kind == "loss" and c.policy.masks and ids.counts["label"] > 0 and \
+            c.real <= ids.max_id < c.rows:
+        # Only the loss, under the mask, with ghost labels: each has a -inf logit, so its
+        # cross-entropy is +inf. The labels are the cause, not the weights.
+        why = (f"the loss is +inf because {ids.counts['label']} labels are ghost ids in "
+               f"[{c.real}, {c.rows}) (highest {ids.max_id}), whose logits the mask sets to -inf "
+               "(see token_range): fix the labels, or give the real vocab that has these ids")
+    else:
+        why = (f"Check the learning rate, the loss scale and the padding rows [{c.real}, "
+               f"{c.rows}) of the embedding / lm_head")
+    return Found(total, 0.0, kind=kind, text=(
+        f"NaN/Inf values: {seen}; expected none; {c.next}. {why[0].upper()}{why[1:]}."))
 
 
 SPEC = Spec("nonfinite", tuple(SLOTS.values()), _figures, _thresholds, ("logits", "loss"),

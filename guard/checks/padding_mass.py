@@ -84,7 +84,7 @@ def _describe(f: PaddingMass, c: Context) -> Found:
                "(measured here from the final hidden states) and the guard cannot mask a "
                f"kernel's logits. Pass it the real rows {c.head}.weight[:{c.real}] "
                "(docs/integrations.md, fused heads): then the padding takes no part in the loss.")
-    return Found(top, limit, (
+    return Found(top, limit, kind="a fused head" if f.fused else "", text=(
         f"the loss trained on {fmt(top)} of the probability (mean {fmt(mean)}) on the "
         f"{padding} padding columns [{c.real}, {c.rows}): {expected}; {c.next}. {fix}"))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from guard.checks import nonfinite
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, fmt
 from guard.policy import Action, Policy
 
@@ -38,7 +39,21 @@ def _describe(f: PaddingRows, c: Context) -> Found:
     ) if part)
     fix = ("" if c.policy.action("padding_rows") is Action.REPAIR else
            " Set checks.padding_rows.action: repair to overwrite them with the mean real row.")
-    return Found(f.ratio if not f.nonfinite else float(f.nonfinite), factor, (
+    kind = "non-finite rows" if f.nonfinite else ""
+    value = f.ratio if not f.nonfinite else float(f.nonfinite)
+    real = c.glob[nonfinite.SPEC].counts
+    if real["logits"] or real["hidden"]:
+        # The real logits are non-finite too: the weights diverged (a NaN spread through the
+        # update), and the mean of the real rows is no repair (guard/device/rows.py skips it).
+        then = ("not repairing them: the real rows are no finite mean to repair from, so "
+                "the rows are left as they are (action: repair)"
+                if c.policy.action("padding_rows") is Action.REPAIR else c.next)
+        return Found(value, factor, kind="diverged", text=(
+            f"rows [{c.real}, {c.rows}) of {c.weights}: {seen}, and the real-vocab logits or "
+            "the lm_head input are non-finite (see nonfinite): the weights diverged, which no "
+            f"resize explains; {then}. Find the first non-finite step (nonfinite names the "
+            "module) and restart from a checkpoint before it."))
+    return Found(value, factor, kind=kind, text=(
         f"rows [{c.real}, {c.rows}) of {c.weights}: {seen}, expected "
         f"finite and <= {factor:g}x: what an uninitialised resize leaves, which poisons the "
         f"logits wherever the mask is not (evaluation, generation, a saved checkpoint); "

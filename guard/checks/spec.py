@@ -91,6 +91,7 @@ class Found:
     text: str
     count: int = 1  # training steps it stands for (coverage counts each blind step)
     once: str | None = None  # a key: only the first violation with it is logged and reported
+    kind: str = ""  # what it saw (a tensor, a kind of id): a new kind is logged at once
 
 
 def _no_thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:

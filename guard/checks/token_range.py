@@ -61,7 +61,9 @@ def _describe(f: TokenRange, c: Context) -> Found:
                    "ids the tokenizer cannot produce")
     elif top >= c.rows:
         why.append(f"ids >= {c.rows} (highest {top}) have no row at all")
-    return Found(total, 0.0, (
+    kind = "+".join(k for k, n in f.counts.items() if n > 0) + (
+        " without a row" if top >= c.rows else "")
+    return Found(total, 0.0, kind=kind, text=(
         f"{seen} outside [0, {c.real}){exempt}: {'; '.join(why) or 'out of range'}; {c.next}. "
         f"Check the tokenizer / data pipeline against vocab {c.real}."))
 

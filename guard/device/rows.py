@@ -95,7 +95,11 @@ class PaddingRows:
             for shard, real in [*self._shards, *self._biases]:
                 mean = shard.mean_below(real)  # every rank: a collective when sharded
                 pad = shard.rows_from(real)  # under FSDP2 the padding rows this rank holds
-                pad.copy_(mean.to(pad.dtype).expand_as(pad))
+                # Real rows that diverged (a NaN spread through an update) have a non-finite
+                # mean: the rows are left as they are rather than written with it (a device
+                # select, no host read; the verdict says the weights diverged).
+                fill = mean.to(pad.dtype).expand_as(pad)
+                pad.copy_(torch.where(torch.isfinite(mean).all(), fill, pad))
 
 
 def suppress_padding_ids(model: nn.Module, real: int, rows: int) -> None:

@@ -19,6 +19,7 @@ from guard.checks import SPECS
 from guard.device.reading import LAYOUT, Values
 from guard.policy import CHECKS, Action, Policy, default_run_id
 from guard.sinks import Sink
+from guard.step.messages import Messages
 from guard.step.verdict import Note, Verdict, Violation
 from guard.vocab.sizes import Audit
 from guard_server.wire import (
@@ -37,10 +38,6 @@ from guard_server.wire import (
 __all__ = ["LOG_PREFIX", "Record", "empty_stats"]
 
 log = logging.getLogger("guard")
-
-# Warnings per check: every one of the first few, then one in this many, so a run that warns
-# every step still shows its first occurrences without flooding the log.
-_LOG_FIRST, _LOG_EVERY = 5, 100
 
 # The prefix of the guard's figures in a training framework's own logs (Record.scalars).
 LOG_PREFIX = "guard/"
@@ -112,7 +109,8 @@ class Record:
         self._stats = empty_stats()
         self._violations: dict[str, Counter[str]] = {}
         self._events: list[Event] = []
-        self._once: set[str] = set()  # keys of violations logged and reported already
+        self._once: set[str] = set()  # keys of violations reported already
+        self._messages = Messages()  # what of them reaches the log
 
     @classmethod
     def from_policy(cls, policy: Policy, audit: Audit, rank: int) -> Record:
@@ -149,17 +147,12 @@ class Record:
     def _add(self, v: Violation) -> None:
         counts = self._violations.setdefault(v.check, Counter())
         counts[v.action.value] += v.count
+        first = v.once is None or v.once not in self._once
         if v.once is not None:
-            if v.once in self._once:
-                return
             self._once.add(v.once)
-        self._events.append(_event(v))
-        n = counts[v.action.value]
-        if v.once is not None and v.action is not Action.FAIL:
-            log.warning("%s", v.message)
-        elif v.action is not Action.FAIL and (n <= _LOG_FIRST or n % _LOG_EVERY == 0):
-            suffix = f" (occurrence {n})" if n > 1 else ""
-            log.warning("%s%s", v.message, suffix)
+        if first:
+            self._events.append(_event(v))
+        self._messages.violation(v, counts[v.action.value])
 
     def note(self, n: Note) -> None:
         """An event for the next report that is not a violation of its own (no count)."""
@@ -236,3 +229,7 @@ class Record:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+    def summarise(self) -> None:
+        """One log line per check that fired (at detach)."""
+        self._messages.summary()

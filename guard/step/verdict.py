@@ -44,6 +44,7 @@ class Violation(Note):
     threshold: float
     count: int = 1  # training steps it stands for (coverage counts each blind step)
     once: str | None = None  # a key: only the first violation with it is logged and reported
+    kind: str = ""  # what it saw (a tensor, a kind of id): a new kind is logged at once
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
         out.append(Violation(spec.name, action, step, f"{spec.name} on rank {rank} at step "
                              f"{step}: {found.text}", rank=rank, value=found.value,
                              threshold=found.threshold, count=found.count,
-                             once=found.once and f"{spec.name}:{found.once}"))
+                             once=found.once and f"{spec.name}:{found.once}", kind=found.kind))
     return Verdict(tuple(out))
 
 

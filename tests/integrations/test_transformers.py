@@ -423,3 +423,74 @@ def test_a_healthy_resized_model_records_no_violation_and_fail_never_stops(
     assert s["violations"] == {} and s["step"] == 3
     healthy = (64 - real) / 64
     assert 0.5 * healthy < s["padding_mass"] < 1.5 * healthy
+
+
+def test_a_run_that_warns_every_step_says_when_its_log_thins_out_and_sums_up_at_the_end(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """21 steps of garbage padding rows under warn: 5 messages, the fifth saying that the log
+    thins out from there and where every violation is counted, and the summary at train end
+    that counts the 16 not logged one by one."""
+    import logging
+
+    tok = word_tokenizer()
+    t = trainer(gpt2(len(tok), garbage=5.0), tok, examples(tok) * 6, None, tmp_path, steps=21)
+    cb = guard_trainer(t, policy=policy(padding_mass={"action": "warn"}))
+    with caplog.at_level(logging.WARNING, logger="guard"):
+        t.train()
+    said = [r.getMessage() for r in caplog.records if "padding_mass" in r.getMessage()]
+    assert len(said) == 6 and cb.guard is not None
+    assert cb.guard.stats["violations"]["padding_mass"] == {"warn": 21}
+    assert said[4].endswith("(occurrence 5; from here on 1 in 100 is logged, and any that is "
+                            "worse; every one is counted in g.stats['violations'] and "
+                            "guard_violations_total)")
+    assert said[5].startswith("guard: padding_mass at detach: 21 violation step(s) (warn)")
+    assert said[5].endswith("the last at step 21; 16 not logged one by one")
+
+
+def test_an_infinite_loss_from_ghost_labels_names_the_labels(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Under the mask a ghost label's logit is -inf, so its cross-entropy is +inf: the
+    nonfinite message names the ghost labels, not the learning rate or the weights."""
+    tok = word_tokenizer()
+    real = len(tok)
+    model = gpt2(real)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ids = examples(tok)[0]["input_ids"][None]  # (1, SEQ)
+    labels = ids.clone()
+    labels[0, 3] = real + 2  # a ghost id: it has a row, the tokenizer never produces it
+    pol = policy(nonfinite={"action": "warn"}, token_range={"action": "warn"})
+    with guard.attach(model, policy=pol, tokenizer=tok, optimizer=opt) as g:
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+    assert g.stats["nonfinite"]["loss"] == 1 and g.stats["out_of_range"]["label"] == 1
+    (said,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nonfinite")]
+    assert f"The loss is +inf because 1 labels are ghost ids in [{real}, 64) (highest " \
+           f"{real + 2}), whose logits the mask sets to -inf (see token_range)" in said
+    assert "learning rate" not in said
+
+
+def test_padding_rows_say_the_weights_diverged_and_write_no_nan(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A NaN spread through the real rows: padding_rows does not blame a resize and does not
+    'repair' the padding rows with the real rows' non-finite mean."""
+    tok = word_tokenizer()
+    real = len(tok)
+    model = gpt2(real)
+    model.train()
+    pol = policy(nonfinite={"action": "warn"}, padding_rows={"action": "repair"})
+    ids = examples(tok)[0]["input_ids"][None]
+    with guard.attach(model, policy=pol, tokenizer=tok) as g:
+        w = model.get_output_embeddings().weight  # tied: the embedding's too
+        with torch.no_grad():
+            w[real:] = torch.randn(64 - real, w.shape[1]) * 5.0  # garbage, after attach
+            w[2, 0] = float("nan")  # and a real row diverged
+        padding = w[real:].detach().clone()
+        model(input_ids=ids, labels=ids).loss.backward()
+        g.step()  # the read, and the repair it would do
+        assert torch.equal(w[real:], padding)  # left as they were: no NaN written
+    assert g.stats["violations"]["padding_rows"] == {"repair": 1}
+    (said,) = [r.getMessage() for r in caplog.records
+               if r.getMessage().startswith("padding_rows")]
+    assert "the weights diverged, which no resize explains; not repairing them" in said
+    assert "uninitialised resize" not in said
