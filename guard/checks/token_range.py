@@ -10,27 +10,47 @@ from typing import Literal
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, listed
 from guard.policy import Policy
 
-__all__ = ["INPUT", "LABEL", "MAX_ID", "NEGATIVE", "SLOTS", "SPEC", "Kind", "TokenRange"]
+__all__ = ["INPUT", "LABEL", "NEGATIVE", "POSITIONS", "SLOTS", "SPEC", "TOP", "WIDTH", "Kind",
+           "TokenRange"]
 
 Kind = Literal["input", "label"]
+
+# An id >= real and where it was, as one number a slot can max-combine over micro-batches
+# and ranks and a float64 holds exactly: id * POSITIONS + its flat position in the forward's
+# ids (guard/device/ops.py: out_of_range_parts); 0: none.
+POSITIONS = 1 << 24
 
 INPUT = Slot("token_range.input")  # input ids outside [0, real)
 LABEL = Slot("token_range.label")  # labels outside [0, real), ignore index exempt
 NEGATIVE = Slot("token_range.negative")  # of those labels, the ones below 0
-MAX_ID = Slot("token_range.max_id", "max")  # the highest id >= real seen; 0 when none
 SLOTS: Mapping[Kind, Slot] = {"input": INPUT, "label": LABEL}
+# Per kind, the highest id >= real with its position, and the last dimension of the ids it was
+# in (the position as [row, column]).
+TOP: Mapping[Kind, Slot] = {k: Slot(f"token_range.top_{k}", "max") for k in SLOTS}
+WIDTH: Mapping[Kind, Slot] = {k: Slot(f"token_range.width_{k}", "max") for k in SLOTS}
 
 
 @dataclass(frozen=True)
 class TokenRange:
     counts: Mapping[str, int]  # ids out of range per kind (input, label), as on the wire
     negative_labels: int
-    max_id: int
+    max_id: int  # the highest id >= real of either kind; 0 when none
+    where: Mapping[str, str]  # per kind, the highest such id and its position, as text
+
+
+def _where(key: float, width: float) -> tuple[int, str]:
+    if key <= 0:
+        return 0, ""
+    top, flat = divmod(int(key), POSITIONS)
+    at = f"[{flat // int(width)}, {flat % int(width)}]" if width > 0 else f"[{flat}]"
+    return top, f"{top} at {at}"
 
 
 def _figures(raw: Raw) -> TokenRange:
+    found = {k: _where(raw[TOP[k]], raw[WIDTH[k]]) for k in SLOTS}
     return TokenRange({k: int(raw[slot]) for k, slot in SLOTS.items()}, int(raw[NEGATIVE]),
-                      int(raw[MAX_ID]))
+                      max(top for top, _ in found.values()),
+                      {k: text for k, (_, text) in found.items() if text})
 
 
 def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
@@ -60,7 +80,14 @@ def _describe(f: TokenRange, c: Context) -> Found:
                    "tokenizer= or set vocab.real_size to its size; otherwise they are ghost "
                    "ids the tokenizer cannot produce")
     elif top >= c.rows:
-        why.append(f"ids >= {c.rows} (highest {top}) have no row at all")
+        ignore = c.policy.checks.token_range.ignore_index
+        why.append(f"ids >= {c.rows} (highest {top}) have no row at all: the guard replaced them "
+                   f"on the device (input ids by 0, labels by the ignore index "
+                   f"{-100 if ignore is None else ignore}, which must be the one the loss "
+                   "ignores) so that the step ends here and not in an index error")
+    if f.where:
+        why.append("the highest: " + ", ".join(f"{'labels' if k == 'label' else 'input ids'} "
+                                              f"{text}" for k, text in f.where.items()))
     kind = "+".join(k for k, n in f.counts.items() if n > 0) + (
         " without a row" if top >= c.rows else "")
     return Found(total, 0.0, kind=kind, text=(
@@ -68,5 +95,5 @@ def _describe(f: TokenRange, c: Context) -> Found:
         f"Check the tokenizer / data pipeline against vocab {c.real}."))
 
 
-SPEC = Spec("token_range", (INPUT, LABEL, NEGATIVE, MAX_ID), _figures, _thresholds,
-            ("labels",), _stats, _describe)
+SPEC = Spec("token_range", (INPUT, LABEL, NEGATIVE, *TOP.values(), *WIDTH.values()), _figures,
+            _thresholds, ("labels",), _stats, _describe)

@@ -30,6 +30,8 @@ class ProbeConfig:
     """What the hooks compute; derived from the policy and the sizes once at attach."""
 
     real: int  # ids [0, real) are real and have a row (Sizes.real_rows)
+    rows: int  # of the whole vocab: labels at or past it have no row
+    input_rows: int  # of the embedding: input ids at or past it have no row
     columns: int  # of this process's head output (a shard's under vocab_shard)
     real_columns: int  # head columns [0, real_columns) are real ids
     padding_mass: bool
@@ -44,7 +46,8 @@ class ProbeConfig:
     def from_policy(cls, policy: Policy, sizes: Sizes) -> ProbeConfig:
         c = policy.checks
         return cls(
-            real=sizes.real_rows, columns=sizes.columns, real_columns=sizes.real_columns,
+            real=sizes.real_rows, rows=sizes.rows, input_rows=sizes.audit.embedding_rows,
+            columns=sizes.columns, real_columns=sizes.real_columns,
             padding_mass=policy.enabled("padding_mass"), mask=policy.masks,
             sample_tokens=c.padding_mass.sample_tokens, exact=c.padding_mass.exact,
             nonfinite=policy.enabled("nonfinite"), token_range=policy.enabled("token_range"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from guard.checks.token_range import POSITIONS
 from guard.device.compile import compiling
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "padding_mass_parts",
     "sample_positions",
     "sample_positions_at",
+    "within_rows",
 ]
 
 # Elements per chunk of (positions, rows) work. On the CPU a fresh temporary of a few hundred
@@ -110,17 +112,39 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).logical_not().sum()
 
 
+# The key of an id and its position (guard/checks/token_range.py), exact in float64.
+_ID_LIMIT = (1 << 53) // POSITIONS
+
+
 def out_of_range_parts(
     ids: torch.Tensor, vocab_real: int, ignore_index: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids outside [0, vocab_real), those of them below 0, the highest id >= vocab_real or 0),
-    each 0-dim: the counts and what the message needs to tell a ghost from a setting."""
+    """(ids outside [0, vocab_real), those of them below 0, the highest id >= vocab_real with
+    its flat position as one key: id * POSITIONS + position, or 0 when there is none), each
+    0-dim: the counts and what the message needs to tell a ghost from a setting and to say
+    where it is."""
     bad = (ids < 0) | (ids >= vocab_real)
     if ignore_index is not None:
         bad &= ids != ignore_index
     negative = bad & (ids < 0)
-    top = torch.where(ids >= vocab_real, ids, 0).amax() if ids.numel() else ids.new_zeros(())
+    if not ids.numel():
+        return bad.sum(), negative.sum(), ids.new_zeros((), dtype=torch.int64)
+    flat = ids.reshape(-1).to(torch.int64)
+    position = torch.arange(flat.numel(), device=ids.device).clamp_(max=POSITIONS - 1)
+    key = flat.clamp(max=_ID_LIMIT - 1) * POSITIONS + position  # (n,)
+    top = torch.where(flat >= vocab_real, key, 0).amax()
     return bad.sum(), negative.sum(), top
+
+
+def within_rows(ids: torch.Tensor, rows: int, fill: int, *,
+                negative: bool = True) -> torch.Tensor:
+    """`ids` with every id at or past `rows` (and, with `negative`, below 0) replaced by
+    `fill`, so that nothing downstream indexes a row that does not exist (a new tensor; no
+    host read)."""
+    bad = ids >= rows
+    if negative:
+        bad |= ids < 0
+    return torch.where(bad, torch.full_like(ids, fill), ids)
 
 
 def mask_padding_(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from guard.device.flags import Flags
 from guard.device.hooks import hook
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.loss import LossShares, StepLoss
-from guard.device.ops import mask_padding, nonfinite_count, out_of_range_parts
+from guard.device.ops import mask_padding, nonfinite_count, out_of_range_parts, within_rows
 from guard.device.reading import Reading
 from guard.device.rows import PaddingRows
 from guard.policy import Policy
@@ -139,24 +139,48 @@ class Probe:
         handles.append(hook(model, self._model_post, kind="forward", compiled="eager"))
         return handles
 
-    def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if module.training and args and isinstance(args[0], torch.Tensor):
-            with torch.no_grad():
-                self._out_of_range("input", args[0], None)
+    def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> Any:
+        if not (module.training and args and isinstance(args[0], torch.Tensor)):
+            return None
+        ids = args[0]
+        if ids.is_floating_point():  # embeddings of something else
+            return None
+        with torch.no_grad():
+            self._out_of_range("input", ids, None)
+            # An id with no row would end the step in an index error (on a GPU, a device-side
+            # assert that kills the process) before the guard could say anything: it is
+            # replaced by id 0 and counted, and the read says where it was.
+            safe = within_rows(ids, self.cfg.input_rows, 0)
+        return (safe, *args[1:])
 
-    def _model_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _model_pre(self, module: nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:
         if not module.training:
-            return
+            return None
         self._hidden, self._head_called = None, False
         if not self.cfg.token_range:
-            return
-        labels = next((kwargs[k] for k in _LABEL_KWARGS if k in kwargs), None)
-        if labels is None and self._label_pos is not None and len(args) > self._label_pos:
-            labels = args[self._label_pos]
-        if isinstance(labels, torch.Tensor) and not labels.is_floating_point():
-            self.flags.mark(coverage.SEEN["labels"])
-            with torch.no_grad():
-                self._out_of_range("label", labels, self.cfg.ignore_index)
+            return None
+        key = next((k for k in _LABEL_KWARGS if k in kwargs), None)
+        pos = self._label_pos if key is None else None
+        labels = kwargs[key] if key is not None else (
+            args[pos] if pos is not None and len(args) > pos else None)
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+            return None
+        self.flags.mark(coverage.SEEN["labels"])
+        ignore = self.cfg.ignore_index
+        with torch.no_grad():
+            self._out_of_range("label", labels, ignore)
+            # As the embedding's ids: a label past the rows, which the loss would index out of
+            # bounds, becomes the ignore index (torch's and HF's -100 where the policy has
+            # none), counted above. Negative labels stay: they are the loss's own ignore value
+            # (HF -100, nanoGPT -1), or a setting the message names.
+            safe = within_rows(labels, self.cfg.rows, -100 if ignore is None else ignore,
+                               negative=False)
+        if key is not None:
+            return args, {**kwargs, key: safe}
+        if pos is not None:
+            return (*args[:pos], safe, *args[pos + 1:]), kwargs
+        return None
 
     def _out_of_range(self, kind: token_range.Kind, ids: torch.Tensor,
                       ignore_index: int | None) -> None:
@@ -165,7 +189,8 @@ class Probe:
         f.put(token_range.SLOTS[kind], n)
         if kind == "label":
             f.put(token_range.NEGATIVE, negative)
-        f.put(token_range.MAX_ID, top)
+        f.put(token_range.TOP[kind], top)
+        f.put(token_range.WIDTH[kind], ids.shape[-1] if ids.dim() else 0)
 
     def _head_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training and args and isinstance(args[0], torch.Tensor):

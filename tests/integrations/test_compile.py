@@ -331,3 +331,21 @@ def test_inductor_graph_from_a_warm_up_is_replaced_at_attach() -> None:
     assert torch.isneginf(logits[..., 100:]).all()
     assert g.stats["padding_mass"] is not None and g.stats["padding_mass"] > 0.05
     assert g.stats["violations"] == {}  # the mask did its job
+
+
+def test_nanogpt_label_without_a_row_ends_in_the_guards_message() -> None:
+    """nanoGPT's loss ignores -1: with that ignore index in the policy, a label past the rows
+    becomes -1 on the device, and the step ends in the guard's message, not in torch's
+    `Target 5000 is out of bounds`."""
+    from tests.integrations.nanogpt import REAL, nanogpt
+
+    m = nanogpt(garbage=None)
+    x, y = batch()
+    y[2, 7] = 5000
+    y[:, -1] = -1  # nanoGPT's own ignore value, left as it is
+    with guard.attach(m, policy=policy(token_range={"ignore_index": -1}), vocab_size=REAL) as g, \
+            pytest.raises(guard.GuardViolation, match=r"1 label ids outside \[0, 100\) \(ignore "
+                          r"index -1 exempt\): ids >= 128 \(highest 5000\) have no row at all.*"
+                          r"labels 5000 at \[2, 7\]"):
+        m(x, y)[1].backward()
+        g.step()

@@ -494,3 +494,51 @@ def test_padding_rows_say_the_weights_diverged_and_write_no_nan(
                if r.getMessage().startswith("padding_rows")]
     assert "the weights diverged, which no resize explains; not repairing them" in said
     assert "uninitialised resize" not in said
+
+
+@pytest.mark.parametrize("where", ["label", "input"])
+def test_an_id_without_a_row_ends_in_the_guards_message_not_an_index_error(where: str) -> None:
+    """Label 5000 or input id 5000 on a 64-row model: torch would raise `Target 5000 is out of
+    bounds` / `index out of range` (on a GPU, a device-side assert that kills the process)
+    inside the forward. The guard replaces the id on the device, so the step ends in its own
+    GuardViolation before the update, naming the id and where it was."""
+    tok = word_tokenizer()
+    model = gpt2(len(tok))
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.stack([examples(tok)[i]["input_ids"] for i in range(2)])  # (2, SEQ)
+    labels = ids.clone()
+    (labels if where == "label" else ids)[1, 5] = 5000
+    with guard.attach(model, policy=policy(), tokenizer=tok, optimizer=opt):
+        model(input_ids=ids, labels=labels).loss.backward()  # no IndexError
+        with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 1: 1 "
+                           rf"{where} ids outside \[0, {len(tok)}\).*ids >= 64 \(highest 5000\)"
+                           r" have no row at all.*the highest: "
+                           rf"{'labels' if where == 'label' else 'input ids'} 5000 at \[1, 5\]"):
+            opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_under_warn_an_id_without_a_row_is_left_out_and_training_goes_on() -> None:
+    tok = word_tokenizer()
+    model = gpt2(len(tok))
+    model.train()
+    ids = torch.stack([examples(tok)[i]["input_ids"] for i in range(2)])
+    labels = ids.clone()
+    labels[0, 3] = 5000
+    ignored = labels.clone()
+    ignored[0, 3] = -100
+    torch.manual_seed(1)  # the same dropout masks in both forwards
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ignored).loss  # the label left out
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    warn = policy(token_range={"action": "warn"}, padding_mass={"action": "warn"})  # no mask
+    with guard.attach(model, policy=warn, tokenizer=tok, optimizer=opt) as g:
+        torch.manual_seed(1)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+    assert torch.equal(loss.detach(), expected)  # bitwise: only the label without a row moved
+    assert g.stats["out_of_range"]["label"] == 1
+    assert g.stats["violations"]["token_range"] == {"warn": 1}

@@ -41,7 +41,8 @@ def test_each_slot_reduces_as_its_spec_says_and_the_reading_is_typed_per_spec() 
     f.at_least(nonfinite.LOGITS, T(False))
     f.put(token_range.LABEL, T(5))
     f.put(token_range.NEGATIVE, T(2))
-    f.put(token_range.MAX_ID, T(130))
+    f.put(token_range.TOP["label"], T(130 * token_range.POSITIONS + 37))  # id 130 at 37
+    f.put(token_range.WIDTH["label"], 16)  # labels (b, 16): at [2, 5]
     f.put(loss.VALUE, T(9.0, dtype=torch.float64))
     f.put(loss.VALUE, T(2.5, dtype=torch.float64))  # last: overwritten
     f.put(loss.SEEN, 1.0)
@@ -55,6 +56,7 @@ def test_each_slot_reduces_as_its_spec_says_and_the_reading_is_typed_per_spec() 
     assert v[nonfinite.SPEC].counts == {"hidden": 3, "logits": 1, "loss": 0}
     tr = v[token_range.SPEC]
     assert (tr.counts, tr.negative_labels, tr.max_id) == ({"input": 0, "label": 5}, 2, 130)
+    assert tr.where == {"label": "130 at [2, 5]"}
     assert (v[loss.SPEC].value, v[loss_spike.SPEC].ratio) == (2.5, 12.0)
     assert r.glob == r.local  # one process: the all-rank values are this rank's
     # Each check that crossed its threshold names this rank (2); the others none.

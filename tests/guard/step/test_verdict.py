@@ -128,7 +128,8 @@ def test_negative_labels_name_the_ignore_index_setting() -> None:
 
 
 def test_ids_just_above_real_may_be_special_tokens() -> None:
-    r = reading({token_range.INPUT: 2, token_range.MAX_ID: 101}, over={token_range.INPUT: 0})
+    r = reading({token_range.INPUT: 2, token_range.TOP["input"]: 101 * token_range.POSITIONS},
+                over={token_range.INPUT: 0})
     (tr,) = verdict(r).violations
     # The likely cause first: a real vocab larger than the one given, and how to pass it.
     assert "ids in [100, 128) (highest 101) are beyond the real vocab you gave (100): if your " \
@@ -139,9 +140,13 @@ def test_ids_just_above_real_may_be_special_tokens() -> None:
 
 
 def test_ids_without_a_row_are_out_of_range_not_special_tokens() -> None:
-    r = reading({token_range.INPUT: 1, token_range.MAX_ID: 130}, over={token_range.INPUT: 0})
+    r = reading({token_range.INPUT: 1, token_range.TOP["input"]: 130 * token_range.POSITIONS + 5,
+                 token_range.WIDTH["input"]: 4}, over={token_range.INPUT: 0})
     (tr,) = verdict(r).violations
-    assert "ids >= 128 (highest 130) have no row at all" in tr.message
+    assert "ids >= 128 (highest 130) have no row at all: the guard replaced them on the device " \
+           "(input ids by 0, labels by the ignore index -100, which must be the one the loss " \
+           "ignores)" in tr.message
+    assert "the highest: input ids 130 at [1, 1]" in tr.message  # flat 5 of rows of 4
     assert "beyond the real vocab" not in tr.message and "tokenizer=" not in tr.message
 
 
