@@ -12,10 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from guard.device.compile import drop_compiled
-from guard.device.hooks import hook
+from guard.device.hooks import Handle, hook
 from guard.device.loss import LossShares, check_loss_options
 from guard.device.probe import Probe, mask_hook
 from guard.device.rows import suppress_padding_ids
@@ -61,8 +60,8 @@ class Guard:
         reader = Reader(policy, sizes, names, self._record, self._episodes, self._probe.repairs())
         self._clock = StepClock.from_policy(policy, self._probe, reader, optimizer=optimizer,
                                             steps=steps)
-        self._handles: list[RemovableHandle] = []  # every hook of this guard, in one list
-        self._kept: RemovableHandle | None = None  # the mask `detach(keep_mask=True)` leaves
+        self._handles: list[Handle] = []  # every hook of this guard, in one list
+        self._kept: Handle | None = None  # the mask `detach(keep_mask=True)` leaves
         self._detached = False
 
     # -- what it watches ---------------------------------------------------------------------
@@ -218,7 +217,8 @@ class Guard:
 
     def _install(self) -> None:
         """alignment and vocab first: `fail` stops the job before any hook goes on."""
-        verdict = attach_verdict(self._sizes.audit, self._policy, self.rank)
+        verdict = attach_verdict(self._sizes.audit, self._policy, self.rank,
+                                 found=self._sizes.found)
         self._record.add(verdict)
         if (error := verdict.error()) is not None:
             raise error
@@ -288,7 +288,7 @@ def attach(
     register_sharded(model)  # FSDP2: the parameters the optimizer updates, not gathered copies
     heads = discover(model, embedding=embedding, lm_head=lm_head)
     sizes = resolve(heads, pol.vocab, vocab_size=vocab_size, tokenizer=tokenizer,
-                    vocab_shard=vocab_shard)
+                    vocab_shard=vocab_shard, model=model)
     rank, local_rank = _rank_of_process()
     g = Guard(model, heads, pol, sizes, rank=rank, optimizer=optimizer, steps=steps,
               loss_shares=loss_shares, loss_scale=float(loss_scale))

@@ -156,6 +156,10 @@ class Checks(_Strict):
 
 class VocabSection(_Strict):
     real_size: int | None = Field(None, ge=1)
+    # Without a real size (given, or found in the model's config or checkpoint) the guard takes
+    # every row as real and watches no padding column: a coverage warning at attach, or with
+    # this set an AttachError.
+    require_real_size: bool = False
     # Tensor cores and fused kernels want the vocab dim a multiple of 64 (seed digest).
     pad_multiple: int = Field(64, ge=1)
     tensor_parallel: int = Field(1, ge=1)

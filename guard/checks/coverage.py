@@ -1,5 +1,6 @@
 """coverage: every enabled per-step check saw its data in each training step (logits through
-the head, labels, a loss); a blind step is counted, and logged at the first one."""
+the head, input ids through the embedding, labels, a loss); a blind step is counted, and
+logged at the first one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ __all__ = ["BLIND", "SEEN", "SPEC", "Coverage"]
 # Per kind, a mark set when the step's data reached the guard (reset at each step boundary),
 # and the count of the window's steps that ended without it.
 SEEN: Mapping[SeenKind, Slot] = {k: Slot(f"coverage.seen_{k}", "max")
-                                 for k in ("logits", "labels", "loss")}
+                                 for k in ("logits", "inputs", "labels", "loss")}
 BLIND: Mapping[SeenKind, Slot] = {k: Slot(f"coverage.blind_{k}", without=seen)
                                   for k, seen in SEEN.items()}
 
@@ -40,6 +41,11 @@ def _blind(kind: SeenKind, head: str) -> str:
         "logits": f"no logits: {head} was not called in the training forward and no final "
                   "norm was found to measure its input from. Fix: call the head module, or "
                   "pass lm_head= the module that produces the logits",
+        "inputs": "no input ids: no module that embeds with the embedding's weight was called "
+                  "with ids in the training forward (inputs_embeds passed instead, or ids "
+                  "embedded by F.embedding on the weight), so ghost input ids go unseen; labels "
+                  "are still checked. Fix: pass input_ids to the model, or embedding= the "
+                  "module that embeds them",
         "labels": "no labels: no labels= / targets= argument reached the model's forward (the "
                   "loss is computed outside the model: HF Trainer with label_smoothing_factor "
                   "or compute_loss_func, or a wrapper that hides the signature); input ids are "

@@ -21,7 +21,7 @@ __all__ = ["Context", "Figures", "Found", "Raw", "Reduce", "SeenKind", "Setup", 
 # over two windows read at once (a lagged read still queued).
 Reduce = Literal["sum", "max", "last"]
 # What a training step must show the guard for the per-step checks to see anything (coverage).
-SeenKind = Literal["logits", "labels", "loss"]
+SeenKind = Literal["logits", "inputs", "labels", "loss"]
 # Per kind of data, the enabled checks that need it; empty where coverage is off.
 Watching = Mapping[SeenKind, tuple[str, ...]]
 # A check's figures in `g.stats` and on the wire, named as there: a gauge (a float, None when
@@ -79,6 +79,7 @@ class Context:
     weights: str  # the weights whose padding rows are checked, by name
     crossed: frozenset[Slot]  # the slots past their threshold on some rank
     watching: Watching
+    real_from: str = ""  # where the real vocab came from: "len(tokenizer)", "vocab_size=", ...
 
 
 @dataclass(frozen=True)

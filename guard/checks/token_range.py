@@ -70,11 +70,17 @@ def _describe(f: TokenRange, c: Context) -> Found:
         why.append(f"{neg} labels are negative: if they mark positions to ignore, set "
                    "checks.token_range.ignore_index to their value (nanoGPT ignores -1: "
                    "ignore_index: -1)")
-    if c.real <= (top := f.max_id) < c.rows:
+    if c.real <= (top := f.max_id) < c.rows and c.real_from == "len(tokenizer)":
+        why.append(f"ids in [{c.real}, {c.rows}) (highest {top}) are beyond the tokenizer you "
+                   f"gave ({c.real} ids): ghost ids it cannot produce, so the data was made by "
+                   "another tokenizer, or tokens were added to this one after the model was "
+                   "resized (resize_token_embeddings to its new length)")
+    elif c.real <= top < c.rows:
         # Just above real, these are often special tokens the size given leaves out, not bad
         # data: the message leads with the fix for that case.
-        why.append(f"ids in [{c.real}, {c.rows}) (highest {top}) are beyond the real vocab you "
-                   f"gave ({c.real}): if your tokenizer has more ids (special tokens can sit "
+        source = f" ({c.real_from})" if c.real_from else ""
+        why.append(f"ids in [{c.real}, {c.rows}) (highest {top}) are beyond the real vocab "
+                   f"{c.real}{source}: if your tokenizer has more ids (special tokens can sit "
                    "above a configured vocab size: Llama-3 reserves 256 ids above 128000 that "
                    "config.vocab_size leaves out, and litgpt's vocab_size alike), pass "
                    "tokenizer= or set vocab.real_size to its size; otherwise they are ghost "
@@ -96,4 +102,4 @@ def _describe(f: TokenRange, c: Context) -> Found:
 
 
 SPEC = Spec("token_range", (INPUT, LABEL, NEGATIVE, *TOP.values(), *WIDTH.values()), _figures,
-            _thresholds, ("labels",), _stats, _describe)
+            _thresholds, ("inputs", "labels"), _stats, _describe)

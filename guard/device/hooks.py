@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import CodeType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from guard.device.compile import eager_at_top_level
 
-__all__ = ["Compiled", "Kind", "hook", "registered"]
+__all__ = ["Compiled", "Handle", "Kind", "hook", "registered", "wrap_loss"]
 
 Kind = Literal["forward_pre", "forward", "step_pre"]
 # Under torch.compile: "traced" like the model's own code (the default); "eager": run eagerly
@@ -47,6 +47,51 @@ def hook(target: nn.Module | torch.optim.Optimizer, fn: Callable[..., Any], *, k
     if kind == "forward_pre":
         return target.register_forward_pre_hook(fn, **kwargs)
     return target.register_forward_hook(fn, **kwargs)
+
+
+class Handle(Protocol):
+    """What the guard keeps of each thing it put on a model: torch's RemovableHandle, or a
+    `_LossHandle`; `remove()` is idempotent."""
+
+    def remove(self) -> None: ...
+
+
+class _LossHandle:
+    """What `wrap_loss` returns: `remove()` puts the model's own loss function back."""
+
+    def __init__(self, owner: nn.Module, had: bool, before: Any) -> None:
+        self._undo: tuple[nn.Module, bool, Any] | None = (owner, had, before)
+
+    def remove(self) -> None:
+        if self._undo is None:
+            return
+        owner, had, before = self._undo
+        self._undo = None
+        if had:
+            owner.__dict__["_loss_function"] = before
+        else:
+            owner.__dict__.pop("_loss_function", None)
+
+
+def wrap_loss(owner: nn.Module, fn: Callable[[Any], Any]) -> Handle:
+    """Make `owner.loss_function(logits, ...)` (HF's settable property) call `fn(logits)`
+    first and compute the loss from what it returns: the logits exactly as the loss receives
+    them, after anything the model did to the head's output."""
+    inner = getattr(fn, "__func__", fn)
+    _REGISTERED[inner.__code__] = inner.__qualname__
+    had = "_loss_function" in owner.__dict__
+    before = owner.__dict__.get("_loss_function")
+    loss_function: Callable[..., Any] = cast(Any, owner).loss_function  # what it uses now
+
+    def guarded_loss(*args: Any, **kwargs: Any) -> Any:
+        if "logits" in kwargs:
+            kwargs["logits"] = fn(kwargs["logits"])
+        elif args:
+            args = (fn(args[0]), *args[1:])
+        return loss_function(*args, **kwargs)
+
+    cast(Any, owner).loss_function = guarded_loss  # HF's property setter
+    return _LossHandle(owner, had, before)
 
 
 def registered() -> dict[CodeType, str]:

@@ -5,41 +5,31 @@ it at a boundary. Nothing in a hook reads a tensor to the host."""
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from guard.checks import coverage, nonfinite, token_range
 from guard.device.flags import Flags
-from guard.device.hooks import hook
+from guard.device.hooks import Handle, hook
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.loss import LossShares, StepLoss
 from guard.device.ops import mask_padding, nonfinite_count, out_of_range_parts, within_rows
 from guard.device.reading import Reading
 from guard.device.rows import PaddingRows
+from guard.device.site import LogitsSite, find_loss
 from guard.policy import Policy
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
 
 __all__ = ["Probe", "find_loss", "labels_position", "mask_hook"]
 
+log = logging.getLogger("guard")
+
 _LABEL_KWARGS = ("labels", "targets")
-
-
-def find_loss(output: Any) -> torch.Tensor | None:
-    """The scalar loss in a model's output: HF `.loss`, a dict's 'loss', nanoGPT's tuple, or
-    the output itself when it is a 0-dim float tensor."""
-    cand = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
-    if cand is None and isinstance(output, dict):
-        cand = output.get("loss")
-    if cand is None and isinstance(output, tuple | list):
-        cand = next((o for o in output if isinstance(o, torch.Tensor) and o.dim() == 0), None)
-    if isinstance(cand, torch.Tensor) and cand.dim() == 0 and cand.is_floating_point():
-        return cand
-    return None
 
 
 def labels_position(model: nn.Module) -> int | None:
@@ -69,6 +59,8 @@ class Probe:
         self._hidden: torch.Tensor | None = None
         self._head_called = False
         self._head: nn.Module | None = None
+        # Where the logits the loss sees come out: measured and masked there.
+        self.site = LogitsSite(cfg, self.logits)
 
     @classmethod
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
@@ -93,6 +85,9 @@ class Probe:
 
     def end_step(self, step: int) -> None:
         """Step `step` ended: fold its loss, count what it did not see, move the sample."""
+        for level, text in self.site.notes:
+            log.log(level, "%s", text)
+        self.site.notes.clear()
         self.logits.begin(step)
         self.loss.fold()
         self.flags.end_step()
@@ -121,21 +116,22 @@ class Probe:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def install(self, model: nn.Module, heads: Heads) -> list[RemovableHandle]:
+    def install(self, model: nn.Module, heads: Heads) -> list[Handle]:
         """Hooks for the enabled checks only: a check that is off costs nothing."""
         self._label_pos = labels_position(model)
         self._head = heads.lm_head
         c = self.cfg
-        handles = [hook(model, self._model_pre, kind="forward_pre", compiled="eager",
-                        with_kwargs=True)]
+        handles: list[Handle] = [hook(model, self._model_pre, kind="forward_pre",
+                                      compiled="eager", with_kwargs=True)]
         if c.token_range:
-            handles.append(hook(heads.embedding, self._embedding_pre, kind="forward_pre"))
+            handles += [hook(m, self._embedding_pre, kind="forward_pre") for m in heads.inputs]
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
         if c.padding_mass or c.mask or c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_post, kind="forward"))
             if heads.final_norm is not None:
                 handles.append(hook(heads.final_norm, self._hidden_post, kind="forward"))
+            handles += self.site.install(model, heads.lm_head_name)
         handles.append(hook(model, self._model_post, kind="forward", compiled="eager"))
         return handles
 
@@ -145,6 +141,7 @@ class Probe:
         ids = args[0]
         if ids.is_floating_point():  # embeddings of something else
             return None
+        self.flags.mark(coverage.SEEN["inputs"])
         with torch.no_grad():
             self._out_of_range("input", ids, None)
             # An id with no row would end the step in an index error (on a GPU, a device-side
@@ -155,6 +152,7 @@ class Probe:
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
+        self.site.begin(module.training)
         if not module.training:
             return None
         self._hidden, self._head_called = None, False
@@ -201,25 +199,24 @@ class Probe:
     def _head_post(self, module: nn.Module, args: tuple[Any, ...], logits: Any) -> Any:
         if not isinstance(logits, torch.Tensor) or logits.shape[-1] != self.cfg.columns:
             return None
-        c = self.cfg
         if module.training:
             self._head_called = True
             self.flags.follow(logits.device)
             self.flags.mark(coverage.SEEN["logits"])
-            with torch.no_grad():
-                self.logits.measure(logits.detach())
-        if c.mask:
-            # In place, after measuring: the mass reported is the one the mask removed.
-            return mask_padding(logits, c.real_columns)
-        return None
+        return self.site.at_head(logits, module.training)
 
     def _hidden_post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if module.training and isinstance(out, torch.Tensor):
             self._hidden = out  # a reference: autograd keeps it alive anyway
 
-    def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not module.training:
-            return
+    def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        replaced = self.site.at_output(output, module.training)
+        if module.training:
+            self._after_training(output)
+        return replaced
+
+    def _after_training(self, output: Any) -> None:
+        """The loss the forward returned, and a fused head's logits from the hidden states."""
         loss = find_loss(output)
         if loss is not None:
             self.loss.record(loss)

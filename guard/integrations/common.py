@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -14,7 +13,6 @@ from guard.errors import AttachError
 
 __all__ = ["GuardedTraining", "torch_optimizer"]
 
-log = logging.getLogger("guard")
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -70,10 +68,8 @@ class GuardedTraining:
         self.release()
         tokenizer = self.tokenizer
         if tokenizer is None and self.vocab_size is None and self.policy.vocab.real_size is None:
+            # None: attach looks in the model, and says so (coverage) when it finds nothing.
             tokenizer = _tokenizer_of(processing_class)
-            if tokenizer is None:
-                log.warning("guard: no tokenizer, vocab_size or vocab.real_size: the real vocab "
-                            "is taken to be the head rows, so no column counts as padding")
         self.guard = guard.attach(model, policy=self.policy, vocab_size=self.vocab_size,
                             tokenizer=tokenizer, optimizer=torch_optimizer(optimizer),
                             embedding=self.embedding, lm_head=self.lm_head,

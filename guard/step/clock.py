@@ -22,9 +22,8 @@ from typing import Any, Literal, Protocol, get_args
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from guard.device.hooks import hook
+from guard.device.hooks import Handle, hook
 from guard.device.reading import Reading
 from guard.errors import AttachError
 from guard.policy import Action, Policy
@@ -117,7 +116,7 @@ class StepClock:
                    may_lag=policy.host_may_lag)
 
     def install(self, model: nn.Module,
-                optimizer: torch.optim.Optimizer | None) -> list[RemovableHandle]:
+                optimizer: torch.optim.Optimizer | None) -> list[Handle]:
         """The hooks of this clock's boundary (none for `manual`)."""
         if self.boundary == "optimizer" and optimizer is not None:
             return [hook(optimizer, self._optimizer_pre, kind="step_pre")]

@@ -12,9 +12,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from guard.device.hooks import hook
+from guard.device.hooks import Handle, hook
 from guard.policy import Action, Policy
 from guard.step.localise import Inputs, Localiser, capture, rerun
 from guard.step.verdict import Note, Verdict
@@ -46,7 +45,7 @@ class Episodes:
             return None
         return cls(model, policy.action("nonfinite"))
 
-    def install(self, on: _OnDevice) -> list[RemovableHandle]:
+    def install(self, on: _OnDevice) -> list[Handle]:
         """Keep each training forward's inputs for a re-run (only useful where reads are
         synchronous in the optimizer's step pre-hook); `on.device`: where the model runs."""
         self._on = on

@@ -55,7 +55,8 @@ class Reader:
         record = self._record
         record.update(reading.local, step)
         verdict = judge(reading, self._policy, step=step, real=self._sizes.real_rows,
-                        rows=self._sizes.rows, head=self._names.head, weights=self._names.weights)
+                        rows=self._sizes.rows, head=self._names.head, weights=self._names.weights,
+                        real_from=self._sizes.found.source)
         if self._episodes is not None:
             verdict, note = self._episodes.annotate(verdict, rerun_now=in_step, step=now,
                                                     rank=record.rank)

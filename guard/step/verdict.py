@@ -10,6 +10,7 @@ from guard.checks import CHECKS, Context, watching
 from guard.device.reading import Reading
 from guard.errors import GuardViolation
 from guard.policy import Action, Policy
+from guard.vocab.real import GIVE_IT, Real
 from guard.vocab.sizes import Audit
 
 __all__ = ["Note", "Verdict", "Violation", "attach_verdict", "judge"]
@@ -21,6 +22,7 @@ _NEXT = {
     Action.WARN: "continuing (action: warn)",
     Action.REPAIR: "setting them to the mean of the real rows in place (action: repair)",
 }
+_STOP = "stopping before the first step (action: fail)"  # a fail at attach
 
 
 @dataclass(frozen=True)
@@ -76,12 +78,14 @@ class Verdict:
 
 
 def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
-          head: str = "lm_head", weights: str = "the embedding / lm_head weights") -> Verdict:
+          head: str = "lm_head", weights: str = "the embedding / lm_head weights",
+          real_from: str = "") -> Verdict:
     """The verdict on the all-rank figures, so every rank decides alike: each enabled check
     that fired, described by its spec (guard/checks/), in the table's order (cause first).
 
-    `real` and `rows`: the whole head's real vocab (clipped to the rows) and rows; `head` its
-    name and `weights` those whose padding rows are checked, for the messages.
+    `real` and `rows`: the whole head's real vocab (clipped to the rows) and rows, `real_from`
+    where the real vocab came from; `head` its name and `weights` those whose padding rows
+    are checked, for the messages.
     """
     watched = watching(policy)
     out = []
@@ -91,7 +95,7 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
             continue
         action = policy.action(spec.name)
         ctx = Context(reading.glob, policy, _NEXT[action], real, rows, head, weights,
-                      reading.crossed, watched)
+                      reading.crossed, watched, real_from)
         found = spec.describe(reading.glob[spec], ctx)
         if found is None:
             continue
@@ -102,8 +106,11 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
     return Verdict(tuple(out))
 
 
-def attach_verdict(audit: Audit, policy: Policy, rank: int) -> Verdict:
-    """The attach-time checks, alignment and vocab, at step 0: `fail` stops before step 1."""
+def attach_verdict(audit: Audit, policy: Policy, rank: int, *,
+                   found: Real | None = None) -> Verdict:
+    """The attach-time checks at step 0, alignment and vocab (`fail` stops before step 1),
+    and coverage of the real vocab: `found` says where it came from (not found: every row is
+    taken as real, and the checks of padding columns and ghost ids see nothing)."""
     multiple = audit.pad_multiple * audit.tensor_parallel
     out = []
     for check, problems in (("alignment", audit.alignment_problems),
@@ -111,8 +118,7 @@ def attach_verdict(audit: Audit, policy: Policy, rank: int) -> Verdict:
         action = policy.action(check)
         if action is Action.OFF or not problems:
             continue
-        next_ = ("stopping before the first step (action: fail)" if action is Action.FAIL
-                 else "continuing (action: warn)")
+        next_ = _STOP if action is Action.FAIL else "continuing (action: warn)"
         message = (f"{check} on rank {rank} at attach: {'; '.join(problems)}; {next_}. Fix: "
                    f"build embedding and lm_head with {audit.aligned} rows (a multiple of "
                    f"{multiple}) and mask columns [{audit.real}, {audit.aligned}) with "
@@ -121,4 +127,20 @@ def attach_verdict(audit: Audit, policy: Policy, rank: int) -> Verdict:
         threshold = float(multiple if check == "alignment" else audit.rows)
         out.append(Violation(check, action, 0, message, rank=rank, value=value,
                              threshold=threshold))
+    source = "" if found is None or not found.source else f" ({found.source})"
+    if audit.vocab_warnings and policy.enabled("vocab"):
+        # A suspicion, not a proof: warned and counted whatever the action, never a stop.
+        out.append(Violation("vocab", Action.WARN, 0, (
+            f"vocab on rank {rank} at attach: the real vocab {audit.real}{source}: "
+            f"{'; '.join(audit.vocab_warnings)}; continuing (a warning whatever the action)."),
+            rank=rank, value=float(audit.rows - audit.real), threshold=float(multiple)))
+    if found is not None and not found.found and policy.enabled("coverage"):
+        action = policy.action("coverage")
+        out.append(Violation("coverage", action, 0, (
+            f"coverage on rank {rank} at attach: the real vocab size was not found (none was "
+            f"given, and {found.looked}); every one of the {audit.rows} rows is taken as real, "
+            f"so no padding column is measured or masked and no ghost id in [real, rows) is "
+            f"seen; {_STOP if action is Action.FAIL else _NEXT[action]}. "
+            f"Give it: {GIVE_IT}; vocab.require_real_size: true makes this an error."),
+            rank=rank, value=1.0, threshold=0.0, once="coverage:real_vocab"))
     return Verdict(tuple(out))

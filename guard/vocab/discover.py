@@ -29,6 +29,13 @@ class Heads:
     # The module whose output the head projects, where one is found by name and width: a
     # forward that skips the head (a fused loss kernel) is measured from its output.
     final_norm: nn.Module | None = None
+    # Every module that embeds ids with the embedding's weight: the embedding, and the
+    # encoder's / decoder's own embedding modules that share it (T5, BART): each is watched.
+    others: tuple[nn.Module, ...] = ()
+
+    @property
+    def inputs(self) -> tuple[nn.Module, ...]:
+        return (self.embedding, *self.others)
 
     @property
     def tied(self) -> bool:
@@ -126,6 +133,15 @@ def _find_final_norm(model: nn.Module, head: nn.Module) -> nn.Module | None:
     return named[-1] if named else None  # the last: decoder stacks name their inner norms too
 
 
+def _sharing(model: nn.Module, emb: nn.Module, head: nn.Module) -> tuple[nn.Module, ...]:
+    """The other embedding modules of `model` whose weight is the embedding's own tensor."""
+    w = _weight(emb)
+    if not isinstance(w, nn.Parameter):
+        return ()
+    return tuple(m for m in model.modules() if isinstance(m, nn.Embedding)
+                 and m is not emb and m is not head and m.weight is w)
+
+
 def _wrapped(model: object) -> nn.Module | None:
     """The module inside a DDP / DataParallel / FSDP(1) wrapper (their forward calls it with
     the same arguments), or None."""
@@ -198,7 +214,7 @@ def discover(
         if not isinstance(m, nn.Module):
             raise AttachError(f"{label} must be an nn.Module, got {type(m).__name__}")
     heads = Heads(emb, head, _name_of(model, emb), _name_of(model, head),
-                  _find_final_norm(model, head))
+                  _find_final_norm(model, head), _sharing(model, emb, head))
     heads.embedding_rows, heads.head_rows  # noqa: B018 - raises AttachError early on odd modules
     return heads
 

@@ -16,7 +16,8 @@ from torch import nn
 from guard.errors import AttachError
 from guard.policy import VocabSection
 from guard.vocab.discover import Heads, discover, unwrap
-from guard.vocab.sizes import Audit, audit_sizes, real_vocab, shard_sizes
+from guard.vocab.real import GIVE_IT, Real, find_real
+from guard.vocab.sizes import Audit, audit_sizes, shard_sizes
 
 __all__ = ["Sizes", "audit", "resolve"]
 
@@ -32,6 +33,7 @@ class Sizes:
     # The first padding row of the embedding's weight and of the head's, in their own row
     # numbers: the real vocab, or the head's real columns on a shard.
     first_padding: tuple[int, int]
+    found: Real  # where the real vocab came from (not found: every row taken as real)
 
     @property
     def real(self) -> int:
@@ -50,9 +52,10 @@ class Sizes:
 
 
 def resolve(heads: Heads, vocab: VocabSection, *, vocab_size: int | None = None,
-            tokenizer: Any = None, vocab_shard: tuple[int, int] | None = None) -> Sizes:
-    """The sizes from the heads, the policy's vocab section and attach's arguments; an
-    AttachError names the argument that does not fit."""
+            tokenizer: Any = None, vocab_shard: tuple[int, int] | None = None,
+            model: nn.Module | None = None) -> Sizes:
+    """The sizes from the heads, the policy's vocab section and attach's arguments (else what
+    `model` says of its real vocab); an AttachError names the argument that does not fit."""
     rows, embedding_rows, shard = heads.head_rows, heads.embedding_rows, None
     if vocab_shard is not None:
         try:
@@ -62,8 +65,13 @@ def resolve(heads: Heads, vocab: VocabSection, *, vocab_size: int | None = None,
         shard = (vocab_shard[0], vocab_shard[1])
         if embedding_rows == heads.head_rows:  # a vocab-parallel embedding, sharded alike
             embedding_rows = rows
-    real = real_vocab({"vocab_size=": vocab_size, "policy vocab.real_size": vocab.real_size},
-                      tokenizer, rows)
+    found = find_real(model, {"vocab_size=": vocab_size,
+                              "policy vocab.real_size": vocab.real_size}, tokenizer, rows)
+    if not found.found and vocab.require_real_size:
+        raise AttachError(
+            f"the real vocab size was not found ({found.looked}) and the policy sets "
+            f"vocab.require_real_size: true; give it: {GIVE_IT}")
+    real = found.size
     if shard is not None and real <= shard[0]:
         raise AttachError(
             f"vocab_shard={shard} holds padding ids only (real vocab {real}): the guard needs "
@@ -79,13 +87,14 @@ def resolve(heads: Heads, vocab: VocabSection, *, vocab_size: int | None = None,
     # The embedding's padding starts at the real vocab, or like the head's when sharded alike.
     alike = shard is not None and heads.embedding_rows == heads.head_rows
     first = (real_columns if alike else min(real, heads.embedding_rows), real_columns)
-    return Sizes(aud, shard, columns, real_columns, first)
+    return Sizes(aud, shard, columns, real_columns, first, found)
 
 
 def audit(model: nn.Module, *, vocab_size: int | None = None, tokenizer: Any = None,
           tensor_parallel: int = 1, pad_multiple: int = 64, embedding: nn.Module | None = None,
           lm_head: nn.Module | None = None) -> Audit:
     """The three vocab sizes of `model`, tied or not, and alignment for TP 1/2/4/8."""
-    heads = discover(unwrap(model), embedding=embedding, lm_head=lm_head)
+    inner = unwrap(model)
+    heads = discover(inner, embedding=embedding, lm_head=lm_head)
     vocab = VocabSection(pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
-    return resolve(heads, vocab, vocab_size=vocab_size, tokenizer=tokenizer).audit
+    return resolve(heads, vocab, vocab_size=vocab_size, tokenizer=tokenizer, model=inner).audit

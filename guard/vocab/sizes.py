@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from guard.errors import AttachError
-
-__all__ = ["TP_DEGREES", "Audit", "audit_sizes", "pad_vocab_size", "real_vocab", "shard_sizes"]
+__all__ = ["TP_DEGREES", "Audit", "audit_sizes", "pad_vocab_size", "shard_sizes"]
 
 # Tensor-parallel degrees the audit reports on: the ones real clusters use for the vocab split.
 TP_DEGREES = (1, 2, 4, 8)
+
+# Padding beyond one alignment block is there on purpose, and vendors reserve a little: Qwen2
+# 271 rows of 151,936 (1/560), GPT-NeoX-20B 155 of 50,432 (1/325), Megatron's GPT-2 at TP 8
+# 943 of 51,200 (1/54). More than 1/32 of the rows in padding is a tokenizer of another model
+# (600 ids on 1024 rows: 41%).
+_PADDING_SHARE = 32
 
 
 def pad_vocab_size(n: int, multiple: int = 64) -> int:
@@ -36,6 +39,9 @@ class Audit:
     aligned_for_tp: dict[int, bool] = field(default_factory=dict)
     alignment_problems: tuple[str, ...] = ()
     vocab_problems: tuple[str, ...] = ()
+    # Sizes that fit but look wrong (a tokenizer that is likely not the model's): a `vocab`
+    # warning whatever the action, never a stop; `ok` stays true.
+    vocab_warnings: tuple[str, ...] = ()
 
     @property
     def padding_columns(self) -> int:
@@ -57,6 +63,7 @@ class Audit:
             "aligned_for_tp": {str(tp): ok for tp, ok in self.aligned_for_tp.items()},
             "alignment_problems": list(self.alignment_problems),
             "vocab_problems": list(self.vocab_problems),
+            "vocab_warnings": list(self.vocab_warnings),
             "ok": self.ok,
         }
 
@@ -70,8 +77,10 @@ class Audit:
             f"  aligned for {tp}",
         ]
         problems = self.alignment_problems + self.vocab_problems
+        lines += [f"  warning: {w}" for w in self.vocab_warnings]
         if not problems:
-            lines.append("  verdict: ok")
+            lines.append("  verdict: ok" + (" (but see the warning)" if self.vocab_warnings
+                                            else ""))
             if self.padding_columns:
                 lines.append(
                     f"  note: columns [{self.real}, {self.rows}) are padding; keep "
@@ -123,6 +132,14 @@ def audit_sizes(
         )
     if real > embedding_rows and embedding_rows != rows:
         vocab.append(f"real vocab {real} > embedding rows {embedding_rows}")
+    warnings = []
+    if (padding := rows - real) >= max(multiple, rows // _PADDING_SHARE):
+        warnings.append(
+            f"{padding} padding rows ({real} real ids in {rows} rows): more than aligning to a "
+            f"multiple of {multiple} explains (fewer than {multiple}) and over 1/{_PADDING_SHARE}"
+            " of the rows, so the real vocab is likely another model's (a tokenizer that does "
+            "not belong to these weights?); if the rows were padded on purpose, set "
+            "vocab.pad_multiple to the multiple they were padded to")
     return Audit(
         real=real,
         rows=rows,
@@ -134,6 +151,7 @@ def audit_sizes(
         aligned_for_tp={tp: rows % (pad_multiple * tp) == 0 for tp in TP_DEGREES},
         alignment_problems=tuple(alignment),
         vocab_problems=tuple(vocab),
+        vocab_warnings=tuple(warnings),
     )
 
 
@@ -161,24 +179,3 @@ def shard_sizes(shard: tuple[int, int], head_rows: int, tensor_parallel: int) ->
                          "ids [start, end) of this rank's head columns and set "
                          "vocab.tensor_parallel to the tensor-parallel degree")
     return width * tensor_parallel
-
-
-def real_vocab(sources: dict[str, Any], tokenizer: Any, rows: int) -> int:
-    """The real vocab from the given sources (`vocab_size=`, the policy's `vocab.real_size`:
-    name -> int or None) or `len(tokenizer)`; they must agree. None of them: `rows`."""
-    given = {name: n for name, n in sources.items() if n is not None}
-    if tokenizer is not None:
-        try:
-            given["len(tokenizer)"] = len(tokenizer)
-        except TypeError:
-            raise AttachError(
-                f"tokenizer= must support len() (got {type(tokenizer).__name__}); "
-                "pass vocab_size=<ids the tokenizer can produce> instead"
-            ) from None
-    for name, n in given.items():
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise AttachError(f"{name} must be a positive int, got {n!r}")
-    if len(set(given.values())) > 1:
-        seen = ", ".join(f"{k} {v}" for k, v in given.items())
-        raise AttachError(f"the real vocab size is ambiguous: {seen}; give one of them")
-    return next(iter(given.values()), rows)

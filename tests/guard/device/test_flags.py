@@ -119,16 +119,19 @@ def test_a_step_that_saw_nothing_is_counted_blind_per_kind() -> None:
     f = flags()
     f.mark(coverage.SEEN["logits"])
     f.mark(coverage.SEEN["loss"])
+    f.mark(coverage.SEEN["inputs"])
     f.end_step()  # step 1: no labels
     f.end_step()  # step 2: nothing at all
     r = f.read(lagged=False)
-    assert r is not None and r.local[coverage.SPEC].blind == {"logits": 1, "labels": 2, "loss": 1}
+    assert r is not None and r.local[coverage.SPEC].blind == {"logits": 1, "inputs": 1,
+                                                               "labels": 2, "loss": 1}
     assert r.fired_on("coverage") == 0
-    for kind in ("logits", "labels", "loss"):
+    for kind in ("logits", "inputs", "labels", "loss"):
         f.mark(coverage.SEEN[kind])
     f.end_step()
     r = f.read(lagged=False)
-    assert r is not None and r.local[coverage.SPEC].blind == {"logits": 0, "labels": 0, "loss": 0}
+    assert r is not None and r.local[coverage.SPEC].blind == {"logits": 0, "inputs": 0,
+                                                               "labels": 0, "loss": 0}
     assert r.fired_on("coverage") is None
 
 

@@ -87,7 +87,8 @@ def _imported(tree: ast.Module, name: str) -> tuple[Path, Function] | None:
 
 
 def hooked_functions() -> dict[tuple[str, int], Function]:
-    """Every function given to `hook(...)` under guard/, by (file, line of its def): a method
+    """Every function given to `hook(...)` (or `wrap_loss(...)`: it runs inside the model's
+    loss function) under guard/, by (file, line of its def): a method
     (`self._x`), a function of the module, or the nested function a factory call returns."""
     found: dict[tuple[str, int], Function] = {}
     for path in GUARD.rglob("*.py"):
@@ -95,7 +96,7 @@ def hooked_functions() -> dict[tuple[str, int], Function]:
         parents = _scopes(tree)
         for call in ast.walk(tree):
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-                    and call.func.id == "hook" and len(call.args) >= 2):
+                    and call.func.id in ("hook", "wrap_loss") and len(call.args) >= 2):
                 continue
             arg, scope = call.args[1], parents[call]
             while not isinstance(scope, ast.ClassDef | ast.Module):
@@ -137,7 +138,7 @@ def test_no_host_read_in_any_function_registered_as_a_hook() -> None:
     names = {f.name for f in fns.values()}
     assert {"_model_pre", "_model_post", "_embedding_pre", "_head_pre", "_head_post",
             "_hidden_post", "_optimizer_pre", "_forward_start", "_forward_end", "_keep",
-            "hook", "mask"} <= names
+            "hook", "mask", "at_loss"} <= names
     hits = {f"{Path(file).relative_to(GUARD)}:{fn.name}": calls_in(fn)
             for (file, _), fn in fns.items() if calls_in(fn)}
     assert hits == {}
@@ -167,6 +168,12 @@ def test_what_registers_at_run_time_is_what_the_scan_found() -> None:
     g = guard.attach(m, policy=pol, vocab_size=100, optimizer=opt)
     g.detach(keep_mask=True)
     g.release()
+    from transformers import GPT2Config, GPT2LMHeadModel  # an HF loss function to wrap
+
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=16, n_layer=1, n_head=2))
+    x, _ = batch()
+    with guard.attach(hf, policy=pol, vocab_size=100):
+        hf(input_ids=x, labels=x)
     scanned = {(file, line) for file, line in hooked_functions()}
     codes: dict[CodeType, str] = registered()
     at_run_time = {(c.co_filename, c.co_firstlineno) for c in codes}

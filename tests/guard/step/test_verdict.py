@@ -12,6 +12,7 @@ from guard.errors import GuardViolation
 from guard.policy import Action
 from guard.policy_file import load_policy
 from guard.step.verdict import Verdict, Violation, attach_verdict, judge
+from guard.vocab.real import Real
 from guard.vocab.sizes import audit_sizes
 from tests.conftest import policy
 from tests.guard.readings import reading
@@ -109,6 +110,53 @@ def test_attach_verdict_for_an_unaligned_head(action: str, next_: str) -> None:
     assert (v.fail is not None) == (action == "fail")
 
 
+@pytest.mark.parametrize("action", ["fail", "warn"])
+def test_a_tokenizer_far_smaller_than_the_rows_is_a_vocab_warning_never_a_stop(
+        action: str) -> None:
+    """600 ids on 1024 rows: 424 padding rows, more than any alignment explains (issue 19). A
+    warning whatever the action: a suspicion is never a stop."""
+    audit = audit_sizes(real=600, rows=1024, embedding_rows=1024, tied=True)
+    assert audit.ok and audit.vocab_warnings
+    v = attach_verdict(audit, load_policy(policy(vocab={"action": action})), rank=0,
+                       found=Real(600, "len(tokenizer)", given=True))
+    (w,) = v.violations
+    assert (w.check, w.action, w.value) == ("vocab", Action.WARN, 424.0) and v.fail is None
+    assert w.message.startswith("vocab on rank 0 at attach: the real vocab 600 (len(tokenizer))"
+                                ": 424 padding rows (600 real ids in 1024 rows): more than "
+                                "aligning to a multiple of 64 explains")
+    assert "likely another model's" in w.message
+    off = attach_verdict(audit, load_policy(policy(vocab={"action": "off"})), rank=0)
+    assert off.violations == ()
+
+
+@pytest.mark.parametrize(("real", "rows"), [(1003, 1024), (151_665, 151_936), (50_277, 50_432),
+                                            (50_257, 51_200), (100, 128), (32_100, 32_128)])
+def test_padding_a_model_really_has_is_no_warning(real: int, rows: int) -> None:
+    """One alignment block, and what vendors reserve (Qwen2, GPT-NeoX-20B, Megatron's GPT-2 at
+    tensor parallel 8, T5): no warning."""
+    assert audit_sizes(real=real, rows=rows, embedding_rows=rows, tied=True).vocab_warnings == ()
+
+
+@pytest.mark.parametrize("action", ["warn", "fail"])
+def test_a_real_vocab_not_found_is_a_blind_attach(action: str) -> None:
+    audit = audit_sizes(real=1024, rows=1024, embedding_rows=1024, tied=True)
+    found = Real(1024, "", looked="its config keeps no unpadded size")
+    v = attach_verdict(audit, load_policy(policy(coverage={"action": action})), rank=0,
+                       found=found)
+    (cv,) = v.violations
+    assert (cv.check, cv.action.value, cv.step) == ("coverage", action, 0)
+    assert cv.message.startswith(
+        "coverage on rank 0 at attach: the real vocab size was not found (none was given, and "
+        "its config keeps no unpadded size); every one of the 1024 rows is taken as real, so no "
+        "padding column is measured or masked and no ghost id in [real, rows) is seen;")
+    assert "Give it: guard.attach(model, tokenizer=tok), guard.attach(model, " \
+           "vocab_size=len(tok)), or vocab.real_size in the policy" in cv.message
+    assert (v.fail is not None) == (action == "fail")
+    given = attach_verdict(audit, load_policy(policy()), rank=0,
+                           found=Real(1024, "vocab_size=", given=True))
+    assert given.violations == ()
+
+
 def test_the_error_keeps_the_violations_data() -> None:
     v = Verdict((Violation("padding_mass", Action.FAIL, 3, "m", rank=2, value=0.5,
                           threshold=1e-6),))
@@ -130,13 +178,26 @@ def test_negative_labels_name_the_ignore_index_setting() -> None:
 def test_ids_just_above_real_may_be_special_tokens() -> None:
     r = reading({token_range.INPUT: 2, token_range.TOP["input"]: 101 * token_range.POSITIONS},
                 over={token_range.INPUT: 0})
-    (tr,) = verdict(r).violations
+    (tr,) = judge(r, load_policy(policy()), step=7, real=100, rows=128,
+                  real_from="vocab_size=").violations
     # The likely cause first: a real vocab larger than the one given, and how to pass it.
-    assert "ids in [100, 128) (highest 101) are beyond the real vocab you gave (100): if your " \
-           "tokenizer has more ids (special tokens" in tr.message
+    assert "ids in [100, 128) (highest 101) are beyond the real vocab 100 (vocab_size=): if " \
+           "your tokenizer has more ids (special tokens" in tr.message
     assert "pass tokenizer= or set vocab.real_size to its size; otherwise they are ghost ids " \
            "the tokenizer cannot produce" in tr.message
     assert tr.message.index("pass tokenizer=") < tr.message.index("ghost ids")
+
+
+def test_ghost_ids_beyond_a_given_tokenizer_do_not_ask_for_the_tokenizer() -> None:
+    """The user passed tokenizer=: the hint names the tokenizer's size and the likely causes,
+    not "pass tokenizer=" (issue 19)."""
+    r = reading({token_range.LABEL: 1, token_range.TOP["label"]: 101 * token_range.POSITIONS},
+                over={token_range.LABEL: 0})
+    (tr,) = judge(r, load_policy(policy()), step=7, real=100, rows=128,
+                  real_from="len(tokenizer)").violations
+    assert "ids in [100, 128) (highest 101) are beyond the tokenizer you gave (100 ids): ghost " \
+           "ids it cannot produce" in tr.message
+    assert "pass tokenizer=" not in tr.message
 
 
 def test_ids_without_a_row_are_out_of_range_not_special_tokens() -> None:
