@@ -15,6 +15,7 @@ if _TYPE_CHECKING:
     from guard.policy import Policy
     from guard.policy_file import load_policy
     from guard.step.clock import Steps
+    from guard.step.optimizers import torch_optimizer
     from guard.vocab.discover import Heads, find_heads
     from guard.vocab.resolve import audit
     from guard.vocab.sizes import Audit, pad_vocab_size
@@ -37,6 +38,7 @@ __all__ = [
     "mask_padding",
     "pad_vocab_size",
     "padding_mass",
+    "torch_optimizer",
 ]
 
 _WHERE = {
@@ -57,6 +59,7 @@ _WHERE = {
     "mask_padding": "guard.device.ops",
     "pad_vocab_size": "guard.vocab.sizes",
     "padding_mass": "guard.device.ops",
+    "torch_optimizer": "guard.step.optimizers",
 }
 
 

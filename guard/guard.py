@@ -10,26 +10,25 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from guard.arguments import check_arguments
 from guard.device.compile import drop_compiled
 from guard.device.hooks import Handle, hook
-from guard.device.loss import LossShares, check_loss_options
+from guard.device.loss import LossShares
 from guard.device.probe import Probe, mask_hook
 from guard.device.rows import suppress_padding_ids
 from guard.device.sharded import register_sharded
 from guard.errors import AttachError, GuardViolation
 from guard.policy import Action, Policy
-from guard.policy_file import load_policy
 from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
-from guard.step.clock import StepClock, Steps, check_boundaries
+from guard.step.clock import StepClock, Steps
 from guard.step.episodes import Episodes
 from guard.step.reader import Names, Reader
 from guard.step.record import Record
 from guard.step.verdict import attach_verdict
-from guard.vocab.discover import Heads, discover, unwrap
+from guard.vocab.discover import Heads, discover
 from guard.vocab.resolve import Sizes, resolve
 from guard.vocab.sizes import Audit
 
@@ -222,13 +221,15 @@ class Guard:
         self._record.add(verdict)
         if (error := verdict.error()) is not None:
             raise error
-        self._clock.start()  # the padding rows as they are before step 1
-        if self._policy.action("padding_rows") is Action.REPAIR:
-            suppress_padding_ids(self._model, self.real, self.rows)  # global ids, sharded or not
+        # Everything that can refuse first; what changes the model last (a refused attach
+        # leaves weights, generation_config and hooks as they were).
         self._handles += self._probe.install(self._model, self._heads)
         self._handles += self._clock.install(self._model, self._optimizer)
         if self._episodes is not None and self._optimizer is not None:
             self._handles += self._episodes.install(self._probe)
+        self._clock.start()  # the padding rows as they are before step 1 (a repair, or a fail)
+        if self._policy.action("padding_rows") is Action.REPAIR:
+            suppress_padding_ids(self._model, self.real, self.rows)  # global ids, sharded or not
         _ATTACHED[self._model] = weakref.ref(self)
         if drop_compiled():
             log.info("guard: dropped torch.compile's cached graphs, which may run this model "
@@ -248,51 +249,41 @@ class Guard:
             del _ATTACHED[self._model]
 
 
-def _rank_of_process() -> tuple[int, int]:
-    """(global rank, local rank) from torch.distributed, else torchrun's environment."""
-    if dist.is_available() and dist.is_initialized():
-        rank = dist.get_rank()
-    else:
-        rank = int(os.environ.get("RANK", "0"))
-    return rank, int(os.environ.get("LOCAL_RANK", "0"))
-
-
 def attach(
     model: nn.Module,
     *,
     policy: Policy | dict[str, Any] | str | os.PathLike[str] | None = None,
     vocab_size: int | None = None,
     tokenizer: Any = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
     embedding: nn.Module | None = None,
     lm_head: nn.Module | None = None,
     vocab_shard: tuple[int, int] | None = None,
     steps: Steps = "auto",
-    loss_shares: LossShares = "last",
+    loss_shares: LossShares | None = None,
     loss_scale: float = 1.0,
 ) -> Guard:
     """Hook the embedding and lm_head of `model` and check every step (DESIGN.md).
 
-    `vocab_shard=(start, end)`: the lm_head is this rank's shard of a vocab-parallel head, its
-    columns are the global token ids [start, end) (docs/integrations.md, tensor parallel).
-    `steps="manual"`: only `g.step()` marks step boundaries. `loss_shares="sum"`: the step's
-    loss is the sum of its micro-batches' losses, times `loss_scale` (HF Trainer).
+    `optimizer`: a torch optimizer, or a framework's wrapper of one (accelerate, Lightning,
+    DeepSpeed). `vocab_shard=(start, end)`: the lm_head is this rank's shard of a
+    vocab-parallel head, its columns are the global token ids [start, end)
+    (docs/integrations.md, tensor parallel). `steps="manual"`: only `g.step()` marks step
+    boundaries. `loss_shares`: the step's loss is the last micro-batch's, the `"sum"` of their
+    losses (HF Trainer), or their `"mean"` (the default under accelerate's gradient
+    accumulation), times `loss_scale`.
     """
-    pol = load_policy(policy)
-    model = unwrap(model)
-    check_boundaries(pol, optimizer, steps)
-    check_loss_options(loss_shares, loss_scale)
-    if (ref := _ATTACHED.get(model)) is not None and (held := ref()) is not None:
+    a = check_arguments(model, policy, optimizer, steps, loss_shares, loss_scale)
+    if (ref := _ATTACHED.get(a.model)) is not None and (held := ref()) is not None:
         raise AttachError(
             f"a guard is already attached to this model ({held!r}); call detach() on it first")
-    register_sharded(model)  # FSDP2: the parameters the optimizer updates, not gathered copies
-    heads = discover(model, embedding=embedding, lm_head=lm_head)
-    sizes = resolve(heads, pol.vocab, vocab_size=vocab_size, tokenizer=tokenizer,
-                    vocab_shard=vocab_shard, model=model)
-    rank, local_rank = _rank_of_process()
-    g = Guard(model, heads, pol, sizes, rank=rank, optimizer=optimizer, steps=steps,
-              loss_shares=loss_shares, loss_scale=float(loss_scale))
-    g._open(local_rank)
+    register_sharded(a.model)  # FSDP2: the parameters the optimizer updates, not gathered copies
+    heads = discover(a.model, embedding=embedding, lm_head=lm_head)
+    sizes = resolve(heads, a.policy.vocab, vocab_size=vocab_size, tokenizer=tokenizer,
+                    vocab_shard=vocab_shard, model=a.model)
+    g = Guard(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer, steps=steps,
+              loss_shares=a.loss_shares, loss_scale=float(loss_scale))
+    g._open(a.local_rank)
     log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
              str(sizes.audit).splitlines()[0])
     return g

@@ -81,11 +81,13 @@ class Logits:
             total = flat[:, : c.real_columns].sum(dtype=torch.float32)
             self.flags.at_least(nonfinite.LOGITS, torch.isfinite(total).logical_not())
 
-    def measure_fused(self, hidden: torch.Tensor, head: nn.Module) -> None:
+    def measure_fused(self, hidden: torch.Tensor, head: nn.Module, *,
+                      masked: bool = False) -> None:
         """The forward computed its loss from the head's weight without calling the head (a
         fused linear-cross-entropy kernel, F.linear(h, wte.weight)): the logits of a sample of
         positions, from the final hidden states, measured as the head's would be. The mask
-        cannot reach a fused kernel's logits; the verdict says so."""
+        cannot reach a fused kernel's logits (the verdict says so), unless the kernel was
+        handed the real rows (`masked`, guard/device/fused.py)."""
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or hidden.shape[-1] != weight.shape[-1]:
             return
@@ -93,15 +95,15 @@ class Logits:
         f = self.flags
         f.follow(hidden.device)
         f.mark(coverage.SEEN["logits"])
-        f.put(padding_mass.FUSED, 1.0)
+        if not masked:
+            f.put(padding_mass.FUSED, 1.0)
         with torch.no_grad():
             positions = self._sample(hidden.detach().reshape(-1, hidden.shape[-1]))  # (n, d)
             if self.cfg.nonfinite:
                 f.put(nonfinite.HIDDEN, nonfinite_count(positions))
             logits = torch.nn.functional.linear(positions.to(weight.dtype), weight,
                                                 bias if isinstance(bias, torch.Tensor) else None)
-            self._reduce(logits, masked=False)  # (n, columns): already a sample; the loss
-            # the kernel computes from the same rows is not masked
+            self._reduce(logits, masked=masked)  # (n, columns): already a sample
 
     def _sample(self, flat: torch.Tensor) -> torch.Tensor:
         c = self.cfg

@@ -38,10 +38,11 @@ from guard.policy import Policy
 
 __all__ = ["LossShares", "SpikeTracker", "StepLoss", "check_loss_options", "loss_spike"]
 
-# How a step's loss is made of the losses its micro-batch forwards return: the last one
-# (plain gradient accumulation: each is a mean), or their sum (HF Trainer's num_items_in_batch:
-# each is its share of the whole window's mean).
-LossShares = Literal["last", "sum"]
+# How a step's loss is made of the losses its micro-batch forwards return: the last one, their
+# sum (HF Trainer's num_items_in_batch: each is its share of the whole window's mean), or their
+# mean (accelerate's accumulate(): each is its micro-batch's mean, and the step's loss is the
+# window's mean, what accelerate and its users log).
+LossShares = Literal["last", "sum", "mean"]
 
 
 def check_loss_options(shares: str, scale: object) -> None:
@@ -114,9 +115,10 @@ class StepLoss:
         self.flags = flags
         self.count_nonfinite = count_nonfinite
         self.spike = spike
-        self.sum_shares = shares == "sum"
+        self.shares = shares
         self.scale = scale  # the world size when tokens are averaged across devices (HF)
         self._value: torch.Tensor | None = None  # detached
+        self._n = 0  # micro-batch losses added into _value (their count, for "mean")
         self._src: torch.Tensor | None = None  # the tensor it came from
         self._given = False  # it came from g.step(loss)
         self._folded: weakref.ref[torch.Tensor] | None = None  # the last step's loss
@@ -151,15 +153,15 @@ class StepLoss:
                 self._folded is not None and self._folded() is loss)):
             return
         value = loss.detach()
-        if self._value is not None and self.sum_shares and given == self._given:
+        if self._value is not None and self.shares != "last" and given == self._given:
             # Shares of one step's loss, all from the forward or all given (a loss function
             # outside the model): a non-finite share makes the sum non-finite.
-            self._src, self._value = loss, self._value + value
+            self._src, self._value, self._n = loss, self._value + value, self._n + 1
             return
         # Only g.step(loss) right after the forward replaces (e.g. rescales) its output loss.
         if self._value is not None and (self._given or not given):
             self._count(self._value)
-        self._src, self._value, self._given = loss, value, given
+        self._src, self._value, self._given, self._n = loss, value, given, 1
 
     def fold(self) -> None:
         """At the boundary: the step's loss into the flags, on the device."""
@@ -168,6 +170,8 @@ class StepLoss:
         if self._src is not None:
             self._folded = weakref.ref(self._src)
         loss, self._value, self._src, self._given = self._value, None, None, False
+        if self.shares == "mean" and self._n > 1:
+            loss = loss / self._n
         if self.scale != 1.0:
             loss = loss * self.scale
         f = self.flags

@@ -14,6 +14,7 @@ from torch import nn
 
 from guard.checks import coverage, nonfinite, token_range
 from guard.device.flags import Flags
+from guard.device.fused import FusedHead
 from guard.device.hooks import Handle, hook
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.loss import LossShares, StepLoss
@@ -58,14 +59,15 @@ class Probe:
         # linear-cross-entropy kernel) is measured from the hidden states instead.
         self._hidden: torch.Tensor | None = None
         self._head_called = False
-        self._head: nn.Module | None = None
+        self._head: nn.Module | None = None  # the module holding the head's weight
         # Where the logits the loss sees come out: measured and masked there.
         self.site = LogitsSite(cfg, self.logits)
+        self.fused: FusedHead | None = None  # a fused LM head handed the real rows (TRL)
 
     @classmethod
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
                     loss_shares: LossShares = "last", loss_scale: float = 1.0) -> Probe:
-        device = next((p.device for p in heads.lm_head.parameters()), torch.device("cpu"))
+        device = next((p.device for p in heads.head_holder.parameters()), torch.device("cpu"))
         flags = Flags.from_policy(policy, device, rank, real=sizes.real_columns,
                                   columns=sizes.columns)
         loss = StepLoss.from_policy(policy, flags, shares=loss_shares, scale=loss_scale)
@@ -119,7 +121,7 @@ class Probe:
     def install(self, model: nn.Module, heads: Heads) -> list[Handle]:
         """Hooks for the enabled checks only: a check that is off costs nothing."""
         self._label_pos = labels_position(model)
-        self._head = heads.lm_head
+        self._head = heads.head_holder  # its weight: a fused loss is measured with it
         c = self.cfg
         handles: list[Handle] = [hook(model, self._model_pre, kind="forward_pre",
                                       compiled="eager", with_kwargs=True)]
@@ -132,6 +134,9 @@ class Probe:
             if heads.final_norm is not None:
                 handles.append(hook(heads.final_norm, self._hidden_post, kind="forward"))
             handles += self.site.install(model, heads.lm_head_name)
+            if c.mask and c.real_columns < c.columns and c.real_columns == c.real:
+                self.fused = FusedHead(model, heads, c.real_columns)
+                handles.append(self.fused)
         handles.append(hook(model, self._model_post, kind="forward", compiled="eager"))
         return handles
 
@@ -153,10 +158,13 @@ class Probe:
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         self.site.begin(module.training)
-        if not module.training:
-            return None
-        self._hidden, self._head_called = None, False
-        if not self.cfg.token_range:
+        fused = self.fused is not None and FusedHead.asked(kwargs)
+        if fused and self.fused is not None:
+            self.fused.on()
+        if module.training:
+            self._hidden, self._head_called = None, False
+        checked = module.training and self.cfg.token_range
+        if not (checked or fused):
             return None
         key = next((k for k in _LABEL_KWARGS if k in kwargs), None)
         pos = self._label_pos if key is None else None
@@ -164,16 +172,18 @@ class Probe:
             args[pos] if pos is not None and len(args) > pos else None)
         if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
             return None
-        self.flags.mark(coverage.SEEN["labels"])
         ignore = self.cfg.ignore_index
         with torch.no_grad():
-            self._out_of_range("label", labels, ignore)
+            if checked:
+                self.flags.mark(coverage.SEEN["labels"])
+                self._out_of_range("label", labels, ignore)
             # As the embedding's ids: a label past the rows, which the loss would index out of
             # bounds, becomes the ignore index (torch's and HF's -100 where the policy has
-            # none), counted above. Negative labels stay: they are the loss's own ignore value
-            # (HF -100, nanoGPT -1), or a setting the message names.
-            safe = within_rows(labels, self.cfg.rows, -100 if ignore is None else ignore,
-                               negative=False)
+            # none), counted above; with the fused head cut to the real rows, a label past
+            # them. Negative labels stay: they are the loss's own ignore value (HF -100,
+            # nanoGPT -1), or a setting the message names.
+            safe = within_rows(labels, self.cfg.real if fused else self.cfg.rows,
+                               -100 if ignore is None else ignore, negative=False)
         if key is not None:
             return args, {**kwargs, key: safe}
         if pos is not None:
@@ -211,18 +221,22 @@ class Probe:
 
     def _model_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         replaced = self.site.at_output(output, module.training)
+        fused = self.fused is not None and self.fused.active
+        if fused and self.fused is not None:
+            self.fused.off()
         if module.training:
-            self._after_training(output)
+            self._after_training(output, fused=fused)
         return replaced
 
-    def _after_training(self, output: Any) -> None:
-        """The loss the forward returned, and a fused head's logits from the hidden states."""
+    def _after_training(self, output: Any, *, fused: bool) -> None:
+        """The loss the forward returned, and a fused head's logits from the hidden states
+        (`fused`: it was handed the real rows, so its loss is the masked one)."""
         loss = find_loss(output)
         if loss is not None:
             self.loss.record(loss)
         hidden, self._hidden = self._hidden, None
         if hidden is not None and not self._head_called and self._head is not None:
-            self.logits.measure_fused(hidden, self._head)
+            self.logits.measure_fused(hidden, self._head, masked=fused)
 
 
 def mask_hook(real: int, columns: int) -> Callable[[nn.Module, Any, Any], Any]:

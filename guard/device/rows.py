@@ -47,7 +47,7 @@ class PaddingRows:
         padding row of the embedding's and of the head's weight (Sizes.first_padding)."""
         if not policy.enabled("padding_rows"):
             return None
-        head, names = heads.lm_head, (heads.embedding_name, heads.lm_head_name)
+        head, names = heads.head_holder, (heads.embedding_name, heads.lm_head_name)
         weights: list[tuple[str, torch.Tensor, int]] = []
         for name, module, real in zip(names, (heads.embedding, head), firsts, strict=True):
             w = getattr(module, "weight", None)

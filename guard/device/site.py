@@ -88,13 +88,15 @@ def find_logits(output: Any, columns: int) -> torch.Tensor | None:
     return None
 
 
-def changed(logits: torch.Tensor, head_out: torch.Tensor | None) -> bool:
-    """`logits` are not the head's output as it came out: another tensor, and not a cast of it
-    (HF losses upcast; older models returned `logits.float()`). Identity and dtype only: no
-    tensor value is read."""
-    if head_out is None or logits is head_out:
+def changed(logits: torch.Tensor, head_outs: list[torch.Tensor]) -> bool:
+    """`logits` are not one of this forward's head outputs as it came out (several: torchtune's
+    chunked output calls the head per chunk): another tensor, and not a cast of one (HF losses
+    upcast; older models returned `logits.float()`). Identity and dtype only: no tensor value
+    is read. False when the head was not called."""
+    if not head_outs:
         return False
-    return not (logits.dtype != head_out.dtype and logits.shape == head_out.shape)
+    return not any(logits is h or (logits.dtype != h.dtype and logits.shape == h.shape)
+                   for h in head_outs)
 
 
 def replace_logits(output: Any, old: torch.Tensor, new: torch.Tensor | None) -> Any:
@@ -121,7 +123,8 @@ class LogitsSite:
         # What the host logs at the next boundary (level, text): never from inside a hook.
         self.notes: list[tuple[int, str]] = []
         self._training = False
-        self._head_out: torch.Tensor | None = None  # the head's output the model goes on with
+        self._head_outs: list[torch.Tensor] = []  # this forward's head outputs, as the model
+        # goes on with them
         # The logits the loss function was given, and as the guard handed them on (None: no
         # loss function call this forward).
         self._at_loss: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -143,13 +146,13 @@ class LogitsSite:
 
     def begin(self, training: bool) -> None:
         """A forward of the model starts."""
-        self._training, self._head_out, self._at_loss = training, None, None
+        self._training, self._head_outs, self._at_loss = training, [], None
 
     def at_head(self, logits: torch.Tensor, training: bool) -> torch.Tensor | None:
         """The head's output: measured and masked here unless the loss sees other logits; what
         a forward hook returns (None: keep the output)."""
         masked = None if self.where == "loss" else self._measure_and_mask(logits, training)
-        self._head_out = logits if masked is None else masked
+        self._head_outs.append(logits if masked is None else masked)
         return masked
 
     def at_loss(self, logits: Any) -> Any:
@@ -157,7 +160,7 @@ class LogitsSite:
         if not isinstance(logits, torch.Tensor) or logits.shape[-1] != self.cfg.columns:
             return logits
         if self.where == "head":
-            if not (self._training and changed(logits, self._head_out)):
+            if not (self._training and changed(logits, self._head_outs)):
                 return logits  # the head's output, measured and masked at the head
             # Changed after the head by a transform the guard did not know: from the next
             # forward on it is measured here; this one was measured at the head, and is masked
@@ -176,9 +179,9 @@ class LogitsSite:
 
     def at_output(self, output: Any, training: bool) -> Any:
         """The model's output: what a forward hook returns (None: keep it)."""
-        head_out, self._head_out = self._head_out, None
+        head_outs, self._head_outs = self._head_outs, []
         at_loss, self._at_loss = self._at_loss, None
-        out = None if head_out is None else find_logits(output, self.cfg.columns)
+        out = find_logits(output, self.cfg.columns) if head_outs else None
         if at_loss is not None:
             given, masked = at_loss
             return replace_logits(output, given, masked) if out is given else None
@@ -186,7 +189,7 @@ class LogitsSite:
             # The loss function was not called (no labels: the loss is computed outside the
             # model, or this is generation): the output's logits are what a loss will see.
             return replace_logits(output, out, self._measure_and_mask(out, training))
-        if out is not None and training and changed(out, head_out):
+        if out is not None and training and changed(out, head_outs):
             return self._changed_outside(output, out)
         return None
 

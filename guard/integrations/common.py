@@ -5,30 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 from torch import nn
 
 import guard
-from guard.errors import AttachError
 
-__all__ = ["GuardedTraining", "torch_optimizer"]
+__all__ = ["GuardedTraining"]
 
-
-
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside a wrapper (accelerate's AcceleratedOptimizer, Lightning's
-    LightningOptimizer): the wrapper does not run torch's step hooks, the optimizer does."""
-    seen = 0
-    while optimizer is not None and seen < 8:
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            inner = getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer, seen = inner, seen + 1
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise AttachError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    return optimizer
 
 
 def _tokenizer_of(processing_class: Any) -> Any:
@@ -60,18 +42,30 @@ class GuardedTraining:
         self.embedding, self.lm_head = embedding, lm_head
         self.guard: guard.Guard | None = None  # the last one attached; its stats stay readable
 
+    def _tokenizer(self, processing_class: Any) -> Any:
+        """The tokenizer given, else the trainer's, unless a size was given. None: attach looks
+        in the model, and says so (coverage) when it finds nothing."""
+        if self.tokenizer is not None or self.vocab_size is not None \
+                or self.policy.vocab.real_size is not None:
+            return self.tokenizer
+        return _tokenizer_of(processing_class)
+
+    def _audit(self, model: nn.Module, processing_class: Any = None) -> guard.Audit:
+        """The vocab sizes attach would find, before anything is attached or changed."""
+        vocab = self.policy.vocab
+        return guard.audit(model, vocab_size=self.vocab_size or vocab.real_size,
+                           tokenizer=self._tokenizer(processing_class),
+                           tensor_parallel=vocab.tensor_parallel, pad_multiple=vocab.pad_multiple,
+                           embedding=self.embedding, lm_head=self.lm_head)
+
     def _attach(self, model: nn.Module, *, optimizer: Any = None, processing_class: Any = None,
-                steps: guard.Steps = "auto", loss_shares: guard.LossShares = "last",
+                steps: guard.Steps = "auto", loss_shares: guard.LossShares | None = None,
                 loss_scale: float = 1.0) -> guard.Guard:
         """Attach to `model`; the trainer's tokenizer gives the real vocab unless one was given."""
         self._detach()  # a run that raised leaves its guard attached until the next one
         self.release()
-        tokenizer = self.tokenizer
-        if tokenizer is None and self.vocab_size is None and self.policy.vocab.real_size is None:
-            # None: attach looks in the model, and says so (coverage) when it finds nothing.
-            tokenizer = _tokenizer_of(processing_class)
         self.guard = guard.attach(model, policy=self.policy, vocab_size=self.vocab_size,
-                            tokenizer=tokenizer, optimizer=torch_optimizer(optimizer),
+                            tokenizer=self._tokenizer(processing_class), optimizer=optimizer,
                             embedding=self.embedding, lm_head=self.lm_head,
                             vocab_shard=self.vocab_shard, steps=steps,
                             loss_shares=loss_shares, loss_scale=loss_scale)

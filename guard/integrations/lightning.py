@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import guard
-from guard.integrations.common import GuardedTraining, torch_optimizer
+from guard.integrations.common import GuardedTraining
 
 __all__ = ["GuardCallback", "guarded_module"]
 
@@ -62,7 +62,8 @@ class GuardCallback(GuardedTraining, pl.Callback):
         # Lightning runs forward and backward inside optimizer.step(closure): only this
         # callback knows where a step ends.
         self._attach(target, processing_class=tokenizer, steps="manual")
-        self._optimizer = torch_optimizer(trainer.optimizers[0]) if trainer.optimizers else None
+        opts = trainer.optimizers
+        self._optimizer = guard.torch_optimizer(opts[0]) if opts else None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
@@ -70,7 +71,7 @@ class GuardCallback(GuardedTraining, pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:
-        if self.guard is None or torch_optimizer(optimizer) is not self._optimizer:
+        if self.guard is None or guard.torch_optimizer(optimizer) is not self._optimizer:
             return  # one step per batch: the first optimizer's (GANs step several)
         loss, self._loss = self._loss, None
         # The model's own loss when its forward returned one; else the one Lightning

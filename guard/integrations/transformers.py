@@ -95,20 +95,20 @@ class GuardCallback(GuardedTraining, TrainerCallback):
         sums = loss_func is not None or _normalises_by_window(model)
         scale = (float(args.world_size) if sums and args.world_size > 1
                  and getattr(args, "average_tokens_across_devices", False) else 1.0)
-        g = self._attach(model, optimizer=optimizer, processing_class=processing_class,
-                         loss_shares="sum" if sums else "last", loss_scale=scale)
         smoothing = getattr(args, "label_smoothing_factor", 0.0) or 0.0
-        if smoothing > 0 and g.real < g.rows:
-            self._detach()
+        if smoothing > 0 and (a := self._audit(model, processing_class)).real < a.rows:
+            # Refused before the attach: nothing on the model changes.
             raise AttachError(
-                f"GuardCallback: label_smoothing_factor={smoothing:g} smooths over all {g.rows} "
-                f"columns of the logits, the {g.rows - g.real} padding columns [{g.real}, "
-                f"{g.rows}) included: under the mask their -inf makes the loss +inf (the Trainer "
+                f"GuardCallback: label_smoothing_factor={smoothing:g} smooths over all {a.rows} "
+                f"columns of the logits, the {a.rows - a.real} padding columns [{a.real}, "
+                f"{a.rows}) included: under the mask their -inf makes the loss +inf (the Trainer "
                 "logs it as 0.0), without it training teaches the model to give ghost ids "
                 "probability; and the Trainer takes the labels from the model, so ghost labels "
                 "go unchecked. Set label_smoothing_factor=0 and smooth in the model's own loss "
-                f"over the real columns logits[..., :{g.real}] (docs/integrations.md), or "
+                f"over the real columns logits[..., :{a.real}] (docs/integrations.md), or "
                 "train a head without padding rows")
+        g = self._attach(model, optimizer=optimizer, processing_class=processing_class,
+                         loss_shares="sum" if sums else "last", loss_scale=scale)
         self._logged_at = -1
         if trainer is None:
             # Given as callbacks=[...]: a compute_loss_func's loss goes unseen, which coverage

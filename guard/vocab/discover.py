@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -32,14 +33,22 @@ class Heads:
     # Every module that embeds ids with the embedding's weight: the embedding, and the
     # encoder's / decoder's own embedding modules that share it (T5, BART): each is watched.
     others: tuple[nn.Module, ...] = ()
+    # The module whose weight the head projects with, when the head has none of its own:
+    # torchtune's TiedLinear calls a weightless `linear` module with the tied embedding's.
+    head_weights: nn.Module | None = None
 
     @property
     def inputs(self) -> tuple[nn.Module, ...]:
         return (self.embedding, *self.others)
 
     @property
+    def head_holder(self) -> nn.Module:
+        """The module that holds the head's weight (and bias): the head itself, mostly."""
+        return self.head_weights if self.head_weights is not None else self.lm_head
+
+    @property
     def tied(self) -> bool:
-        w_in, w_out = _weight(self.embedding), _weight(self.lm_head)
+        w_in, w_out = _weight(self.embedding), _weight(self.head_holder)
         return w_in is not None and w_in is w_out
 
     @property
@@ -48,10 +57,10 @@ class Heads:
 
     @property
     def head_rows(self) -> int:
-        return _rows(self.lm_head, self.lm_head_name)
+        return _rows(self.head_holder, self.lm_head_name)
 
 
-def _weight(m: nn.Module) -> object:
+def _weight(m: object) -> object:
     return getattr(m, "weight", None)
 
 
@@ -105,6 +114,26 @@ def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
            f"and none with {wanted} outputs")
         + "; pass lm_head=<the module that produces the logits>"
     )
+
+
+def _tied_parts(obj: object) -> tuple[nn.Module, nn.Module] | None:
+    """torchtune's TiedLinear, which is no nn.Module: the module it calls (`.linear`, given
+    the weight) and the module whose weight that is (`.tied_module`)."""
+    linear, owner = getattr(obj, "linear", None), getattr(obj, "tied_module", None)
+    if isinstance(linear, nn.Module) and isinstance(owner, nn.Module) \
+            and not isinstance(obj, nn.Module):
+        return linear, owner
+    return None
+
+
+def _find_tied_linear(model: nn.Module) -> tuple[str, nn.Module, nn.Module] | None:
+    """(name, module called, weight holder) of a TiedLinear head: a plain attribute of a module
+    (not a registered submodule), under one of the head names."""
+    for name, m in model.named_modules():
+        for attr in _HEAD_NAMES:
+            if (parts := _tied_parts(m.__dict__.get(attr))) is not None:
+                return (f"{name}.{attr}" if name else attr), *parts
+    return None
 
 
 def _find_embedding(model: nn.Module, head: nn.Module) -> nn.Module:
@@ -205,19 +234,25 @@ def discover(
     """Explicit modules win, then HF accessors, then names and shapes (nanoGPT wte / lm_head)."""
     hf_in, hf_out = _hf_heads(model)
     emb = embedding or hf_in
-    head = lm_head or hf_out
+    head: object = lm_head or hf_out
+    name, holder = None, None
+    tied = _find_tied_linear(model) if head is None or _weight(head) is None else None
+    if (parts := _tied_parts(head)) is not None:  # lm_head=model.output, a TiedLinear
+        head, holder = parts
+    elif tied is not None and head in (None, tied[1]):  # found, or lm_head=model.output.linear
+        name, head, holder = tied
     if head is None:
         head = _find_head(model, emb)
-    if emb is None:
-        emb = _find_embedding(model, head)
     for label, m in (("embedding", emb), ("lm_head", head)):
-        if not isinstance(m, nn.Module):
+        if m is not None and not isinstance(m, nn.Module):
             raise AttachError(f"{label} must be an nn.Module, got {type(m).__name__}")
-    heads = Heads(emb, head, _name_of(model, emb), _name_of(model, head),
-                  _find_final_norm(model, head), _sharing(model, emb, head))
+    out = cast(nn.Module, head)  # checked just above
+    if emb is None:
+        emb = _find_embedding(model, holder or out)
+    heads = Heads(emb, out, _name_of(model, emb), name or _name_of(model, out),
+                  _find_final_norm(model, holder or out), _sharing(model, emb, out), holder)
     heads.embedding_rows, heads.head_rows  # noqa: B018 - raises AttachError early on odd modules
     return heads
-
 
 
 def find_heads(model: object, *, embedding: nn.Module | None = None,

@@ -400,16 +400,23 @@ def test_a_failed_attach_leaves_nothing_behind() -> None:
     assert hook_count(m) == before
     assert not [t for t in threading.enumerate() if t.name.startswith("guard-metrics")]
 
-    class Wrapper:  # e.g. accelerate's AcceleratedOptimizer
-        def __init__(self, opt: torch.optim.Optimizer) -> None:
+    class Wrapper:  # e.g. DeepSpeed's: the torch optimizer under .optimizer
+        def __init__(self, opt: object) -> None:
             self.optimizer = opt
 
+        def step(self) -> None:
+            pass
+
     ok = tiny_gpt()
-    wrapped = Wrapper(torch.optim.SGD(ok.parameters(), lr=0.1))
-    with pytest.raises(guard.AttachError, match=r"must be a torch.optim.Optimizer.*Wrapper"):
-        guard.attach(ok, policy=policy(), vocab_size=100, optimizer=wrapped)  # type: ignore[arg-type]
+    unreachable = Wrapper(Wrapper(None))  # nothing hookable inside
+    with pytest.raises(guard.AttachError, match=r"optimizer=: cannot reach a torch.optim."
+                       r"Optimizer through Wrapper > Wrapper .*pass the torch optimizer it "
+                       r"wraps"):
+        guard.attach(ok, policy=policy(), vocab_size=100, optimizer=unreachable)
     assert hook_count(ok) == 0
-    guard.attach(ok, policy=policy(), vocab_size=100).detach()  # and it can attach after
+    inner = torch.optim.SGD(ok.parameters(), lr=0.1)
+    with guard.attach(ok, policy=policy(), vocab_size=100, optimizer=Wrapper(inner)):
+        assert len(inner._optimizer_step_pre_hooks) == 1  # the boundary: the torch optimizer
 
 
 def test_the_registry_does_not_keep_models_alive() -> None:
@@ -445,7 +452,7 @@ def test_the_models_loss_fed_to_g_step_after_the_update_counts_once() -> None:
 
 @pytest.mark.parametrize(("kwargs", "error"), [
     ({"steps": "optimizer"}, r"steps='optimizer': expected one of auto, manual"),
-    ({"loss_shares": "mean"}, r"loss_shares='mean': expected one of last, sum"),
+    ({"loss_shares": "median"}, r"loss_shares='median': expected one of last, sum, mean"),
     ({"loss_scale": 0.0}, r"loss_scale=0.0: expected a finite number > 0"),
     ({"loss_scale": float("inf")}, r"loss_scale=inf"),
     ({"steps": "manual", "optimizer": "opt"}, r"steps='manual' marks steps with g.step\(\) only"),

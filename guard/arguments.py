@@ -1,0 +1,63 @@
+"""attach()'s arguments, checked and resolved before anything is built or changed: the policy,
+the model under its wrappers, the torch optimizer under its wrappers, how a step's loss is
+made of its micro-batches', and this process's rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from guard.device.loss import LossShares, check_loss_options
+from guard.policy import Policy
+from guard.policy_file import load_policy
+from guard.step.clock import Steps, check_boundaries
+from guard.step.optimizers import unwrap_optimizer
+from guard.vocab.discover import unwrap
+
+__all__ = ["Arguments", "check_arguments"]
+
+log = logging.getLogger("guard")
+
+
+@dataclass(frozen=True)
+class Arguments:
+    policy: Policy
+    model: nn.Module  # the module the guard hooks, inside DDP / compile wrappers
+    optimizer: Any  # the torch optimizer, inside accelerate's / Lightning's / DeepSpeed's
+    loss_shares: LossShares
+    rank: int
+    local_rank: int
+
+
+def _rank_of_process() -> tuple[int, int]:
+    """(global rank, local rank) from torch.distributed, else torchrun's environment."""
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    else:
+        rank = int(os.environ.get("RANK", "0"))
+    return rank, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def check_arguments(model: object,
+                    policy: Policy | dict[str, Any] | str | os.PathLike[str] | None,
+                    optimizer: object, steps: Steps,
+                    loss_shares: LossShares | None, loss_scale: float) -> Arguments:
+    """The arguments resolved, or an AttachError (PolicyError) naming the one that does not
+    fit. `loss_shares=None`: "mean" where the optimizer's wrapper accumulates gradients over
+    micro-batches (accelerate's `gradient_accumulation_steps`), "last" otherwise."""
+    pol = load_policy(policy)
+    module = unwrap(model)
+    unwrapped = unwrap_optimizer(optimizer)
+    check_boundaries(pol, unwrapped.optimizer, steps)
+    shares: LossShares = loss_shares or ("mean" if unwrapped.accumulation > 1 else "last")
+    check_loss_options(shares, loss_scale)
+    if loss_shares is None and shares == "mean":
+        log.info("guard: %s accumulates gradients over %d micro-batches: the step's loss is "
+                 "their mean (loss_shares='mean')", unwrapped.wrapper, unwrapped.accumulation)
+    rank, local_rank = _rank_of_process()
+    return Arguments(pol, module, unwrapped.optimizer, shares, rank, local_rank)
