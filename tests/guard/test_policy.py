@@ -89,6 +89,9 @@ def test_empty_yaml_is_the_defaults(tmp_path: Path) -> None:
         ("cadence: {read_every: two}\n", "cadence.read_every"),
         ("export: {serve: 'localhost'}\n", "export.serve: expected host:port"),
         ("export: {push: 'guard-server:9400'}\n", "export.push: expected an http(s) URL"),
+        # re.match's `$` took a trailing newline
+        ('export: {push: "http://guard-server:9400\\n"}\n', "export.push: expected an http(s)"),
+        ('export: {serve: "127.0.0.1:9464\\n"}\n', "export.serve: expected host:port"),
         ("run_id: 'has space'\n", "run_id"),
         ("- a\n- b\n", "expected a mapping"),
         ("checks: [\n", "not valid YAML"),
