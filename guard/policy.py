@@ -16,6 +16,7 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -45,24 +46,35 @@ class Action(StrEnum):
 _NUMBERS = (int, float, int | None, float | None)
 
 
+def _noun(value: object) -> str:
+    """`value`'s kind with its article: "a string", "an integer"."""
+    return {bool: "a boolean", str: "a string", int: "an integer", float: "a number"}.get(
+        type(value), f"a {type(value).__name__}")
+
+
 class _Strict(BaseModel):
     # allow_inf_nan=False: `.inf` as a factor would silently disable its check.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _edge_values(cls, data: Any) -> Any:
-        """YAML 1.1 reads `off` (and `no`) as false: an action of false is `off`. A boolean
-        where a number goes is refused (pydantic would take true as 1)."""
-        if not isinstance(data, dict):
-            return data
-        if data.get("action") is False and "action" in cls.model_fields:
+    def _off(cls, data: Any) -> Any:
+        """YAML 1.1 reads `off` (and `no`) as false: an action of false is `off`."""
+        if isinstance(data, dict) and data.get("action") is False and "action" in cls.model_fields:
             data = {**data, "action": "off"}
-        for name, value in data.items():
-            field = cls.model_fields.get(name)
-            if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
-                raise ValueError(f"{name}: {value!r} is a boolean; expected a number")
         return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _exact_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        """Where a number goes, a boolean or a string is refused (pydantic would take true as 1
+        and "12" as 12); where a boolean goes, anything but true or false ("yes", 1)."""
+        kind = cls.model_fields[str(info.field_name)].annotation
+        if kind in _NUMBERS and isinstance(value, bool | str):
+            raise ValueError(f"{quote(value)} is {_noun(value)}; expected a number")
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"{quote(value)} is {_noun(value)}; expected true or false")
+        return value
 
 
 class AttachCheck(_Strict):
