@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from guard_server.errors import SettingsError
 from guard_server.families import MAX_SERIES_PER_RANK
-from guard_server.wire import MAX_EVENTS
+from guard_server.wire import MAX_EVENTS, bearer_token
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
@@ -99,10 +99,11 @@ class Settings(BaseSettings):
 
     @field_validator("token")
     @classmethod
-    def _token_not_blank(cls, token: SecretStr | None) -> SecretStr | None:
-        if token is not None and not token.get_secret_value().strip():
-            raise ValueError("the token is empty; unset it to accept reports without one")
-        return token
+    def _token_as_sent(cls, token: SecretStr | None) -> SecretStr | None:
+        # The push sink applies the same rule to GUARD_TOKEN (guard_server.wire.bearer_token).
+        if token is None:
+            return None
+        return SecretStr(bearer_token(token.get_secret_value(), "the token"))
 
     @model_validator(mode="after")
     def _read_token_file(self) -> Settings:
@@ -110,14 +111,17 @@ class Settings(BaseSettings):
             return self
         if self.token is not None:
             raise ValueError("token_file: set a token or a token file, not both")
+        where = f"token file {str(self.token_file)!r}"
         try:
-            secret = self.token_file.read_text(encoding="utf-8").strip()
+            text = self.token_file.read_text(encoding="utf-8")
         except OSError as exc:
-            raise ValueError(
-                f"token_file: cannot read token file {str(self.token_file)!r}: {exc}"
-            ) from exc
-        if not secret:
-            raise ValueError(f"token_file: token file {str(self.token_file)!r} is empty")
+            raise ValueError(f"token_file: cannot read {where}: {exc}") from exc
+        except UnicodeDecodeError:  # its message would quote a byte of the token
+            raise ValueError(f"token_file: {where} is not UTF-8 text") from None
+        try:
+            secret = bearer_token(text, "the token in " + where)
+        except ValueError as exc:
+            raise ValueError(f"token_file: {exc}") from None
         self.token = SecretStr(secret)
         return self
 

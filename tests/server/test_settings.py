@@ -53,6 +53,7 @@ def test_token_from_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
         ({"GUARD_SERVER_RANK_TTL_S": "inf"}, "GUARD_SERVER_RANK_TTL_S", "finite"),
         ({"GUARD_SERVER_PROT": "1"}, "GUARD_SERVER_PROT", "unknown setting"),
         ({"GUARD_TOKEN": " "}, "GUARD_TOKEN", "empty"),
+        ({"GUARD_TOKEN": "two words"}, "GUARD_TOKEN", "character 4 of the token is a space"),
         (
             {"GUARD_SERVER_TOKEN_FILE": "/nonexistent/token"},
             "GUARD_SERVER_TOKEN_FILE",
