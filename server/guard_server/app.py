@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from guard_server.auth import ReadAuth
 from guard_server.collector import new_registry
+from guard_server.framing import CloseAfter
 from guard_server.limits import TURN_WAIT_S, BodySlots
 from guard_server.routes import ROUTERS, ingest_router
 from guard_server.settings import Settings
@@ -54,4 +55,6 @@ def create_app(
             app.include_router(router)
     if settings.token is not None:
         app.add_middleware(ReadAuth, token=settings.token, metrics=settings.metrics_token)
+    # Added last, so it is outermost: it sees every answer, ReadAuth's 401s included.
+    app.add_middleware(CloseAfter)
     return app

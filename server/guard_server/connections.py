@@ -1,6 +1,5 @@
-"""Connection hygiene for uvicorn's h11 protocol: a cap on open connections, a deadline
-for each request's headers, and a connection closed after a request framed two ways or
-answered before its body came.
+"""Connection hygiene for uvicorn's h11 protocol: a cap on open connections and a deadline
+for each request's headers.
 
 uvicorn bounds neither: a connection that never sends a byte stays open forever (its
 keep-alive timer starts only after a first response), and every stalled client holds a file
@@ -17,11 +16,10 @@ import asyncio
 import logging
 import resource
 import time
-from collections.abc import Iterable
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["ambiguous_framing", "guarded_protocol", "raise_fd_limit"]
+__all__ = ["guarded_protocol", "raise_fd_limit"]
 
 log = logging.getLogger("guard_server")
 
@@ -29,13 +27,6 @@ log = logging.getLogger("guard_server")
 _WARN_EVERY_S = 60.0
 # Bytes read from a connection at a time (asyncio's default is 256 KiB).
 _READ_BYTES = 64 << 10
-
-
-def ambiguous_framing(headers: Iterable[tuple[bytes, bytes]]) -> bool:
-    """Both Content-Length and Transfer-Encoding: the two framings a proxy in front and this
-    server may each read differently (h11 goes by Transfer-Encoding)."""
-    names = {name.lower() for name, _ in headers}
-    return b"content-length" in names and b"transfer-encoding" in names
 
 
 class _Tally:
@@ -87,28 +78,17 @@ def guarded_protocol(max_connections: int, read_timeout_s: float) -> type[H11Pro
             super().handle_events()
             if self.cycle is not None and not self.cycle.response_complete:
                 self._disarm()  # the head has arrived; the body has the route's timeout
-                if self.cycle is not before:
-                    if ambiguous_framing(self.cycle.scope["headers"]):
-                        # RFC 9112 section 6.3: framed by its chunks, a request with a
-                        # Content-Length too may hide another behind it (request smuggling):
-                        # the connection closes once it is answered, whatever the answer.
-                        self.cycle.keep_alive = False
-                    if self.cycle.more_body:
-                        # A request whose body is still to come: read no more of it until the
-                        # route asks for it (uvicorn's receive() resumes), so a body the route
-                        # refuses, or makes wait for its turn, is not buffered here meanwhile.
-                        self.flow.pause_reading()
+                if self.cycle is not before and self.cycle.more_body:
+                    # A request whose body is still to come: read no more of it until the
+                    # route asks for it (uvicorn's receive() resumes), so a body the route
+                    # refuses, or makes wait for its turn, is not buffered here meanwhile.
+                    self.flow.pause_reading()
 
         def on_response_complete(self) -> None:
             if self.cycle is not None:
                 # The part of a body nobody read (a refused request) would otherwise stay with
                 # the connection until its next request or its close: up to ~128 KiB each.
                 self.cycle.body.clear()
-                if self.cycle.more_body:
-                    # Answered before its body came whole (401, 413, 415, 429, 408): keeping
-                    # the connection means reading the rest first, and a client trickling it
-                    # held the connection for as long as it trickled.
-                    self.transport.close()
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm()  # waiting for the next request on a kept-alive connection

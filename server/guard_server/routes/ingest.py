@@ -10,9 +10,9 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from guard_server.auth import authorized
-from guard_server.connections import ambiguous_framing
 from guard_server.deps import BodySlotsDep, SettingsDep, StoreDep
 from guard_server.errors import BodyTooLargeError, BusyError, CapacityError, StepJumpError
+from guard_server.framing import ambiguous_framing
 from guard_server.limits import read_body
 from guard_server.responses import Accepted, Problem, ValidationProblem
 from guard_server.wire import ReportBatch
@@ -83,7 +83,7 @@ async def post_reports(
     # on the streamed bytes, and parsing JSON straight into the model is ~2x faster.
     if ambiguous_framing(request.scope["headers"]):
         # Which body did the sender (or a proxy in front) mean? Store neither; the connection
-        # closes after this answer (guard_server.connections).
+        # closes after this answer (guard_server.framing).
         store.rejections.count("bad_framing")
         raise HTTPException(400, "both Content-Length and Transfer-Encoding: ambiguous framing "
                             "(RFC 9112 section 6.3); nothing was stored. Send one of them.")
