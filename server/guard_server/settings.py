@@ -34,6 +34,12 @@ _PARSED_PER_BODY = 12
 # lags the turns: a waiter counts until its task runs, after the slot it got was freed, so as
 # many waiters as slots turned honest bursts away (16 ranks pushing back to back: a 429 in 200).
 WAITING_PER_SLOT = 8
+# What one scrape in flight holds (guard_server/exposition.py; tests/server/test_exposition.py
+# measures it): the sorted (run_id, rank) key of every rank (~70 bytes each), a piece of
+# samples while it is built and encoded (up to 3.6 MiB with the costliest series), and what its
+# connection has not taken of the pieces before (one piece's text, ~0.5 MB, in two copies).
+_SCRAPE_BYTES_PER_RANK = 128
+_SCRAPE_PIECE_BYTES = 5 << 20
 # The push sink reads the same variable, so one GUARD_TOKEN configures both ends.
 _TOKEN_VARS = ("GUARD_SERVER_TOKEN", "GUARD_TOKEN")
 
@@ -64,6 +70,12 @@ class Settings(BaseSettings):
     # at once. A push of a few KiB arrives with its head and holds a turn for microseconds; the
     # limit is what bounds a flood of slow 1 MiB bodies (each held until it is whole).
     max_inflight_bodies: int = Field(default=8, ge=1)
+    # Scrapes of /metrics written at once; 8x as many more wait for a turn (scrape_wait_s at
+    # most, then 503), the rest get 503 at once. A scrape holds a few MiB whatever the state
+    # (it is written a piece at a time), and 4 turns leave a Prometheus HA pair room to spare.
+    max_inflight_scrapes: int = Field(default=4, ge=1)
+    # Prometheus' default scrape_timeout: a scrape that waited longer has been given up on.
+    scrape_wait_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     rank_ttl_s: float = Field(default=900.0, gt=0, allow_inf_nan=False)  # 15 min of silence
     finished_ttl_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)  # a few scrapes
     events_per_rank: int = Field(default=MAX_EVENTS, ge=0, le=MAX_EVENTS)  # one report's worth
@@ -78,6 +90,11 @@ class Settings(BaseSettings):
     # keep_alive_s. Pushes come once a second per rank, so 5 s keeps them reusing one.
     max_connections: int = Field(default=2048, ge=8)
     read_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    # An answer must be taken whole within this of its request's head, or the connection is
+    # closed: a client that stops reading (or reads a scrape a byte at a time) would hold its
+    # scrape's turn, and what the connection has not taken, for as long as it likes. The
+    # costliest scrape the caps admit (86 MB) is written in ~5 s on 2 cores.
+    write_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     keep_alive_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = False  # one line per push would dwarf everything else in the log
@@ -128,11 +145,17 @@ class Settings(BaseSettings):
     @property
     def inflight_bytes(self) -> int:
         """The most requests in flight hold: each body being read (up to MAX_BODY_BYTES and
-        the chunk that passes it), what uvicorn buffers of each body waiting for its turn, and
-        the one body being parsed with its parsed batch."""
+        the chunk that passes it), what uvicorn buffers of each body waiting for its turn, the
+        one body being parsed with its parsed batch, and each scrape being written."""
         reading = self.max_inflight_bodies * (self.max_body_bytes + _CHUNK_BYTES)
         waiting = self.max_inflight_bodies * WAITING_PER_SLOT * _CHUNK_BYTES
-        return reading + waiting + _PARSED_PER_BODY * self.max_body_bytes
+        return (reading + waiting + _PARSED_PER_BODY * self.max_body_bytes
+                + self.max_inflight_scrapes * self.scrape_bytes)
+
+    @property
+    def scrape_bytes(self) -> int:
+        """The most one scrape in flight holds, with every rank the caps admit."""
+        return self.max_ranks * _SCRAPE_BYTES_PER_RANK + _SCRAPE_PIECE_BYTES
 
     @property
     def state_bytes(self) -> int:
@@ -146,8 +169,10 @@ class Settings(BaseSettings):
             need = self.inflight_bytes + self.max_body_bytes
             raise ValueError(
                 f"max_bytes: at least {need} bytes with GUARD_SERVER_MAX_BODY_BYTES="
-                f"{self.max_body_bytes} and GUARD_SERVER_MAX_INFLIGHT_BODIES="
-                f"{self.max_inflight_bodies} (the requests in flight, and one rank's state)"
+                f"{self.max_body_bytes}, GUARD_SERVER_MAX_INFLIGHT_BODIES="
+                f"{self.max_inflight_bodies}, GUARD_SERVER_MAX_INFLIGHT_SCRAPES="
+                f"{self.max_inflight_scrapes} and GUARD_SERVER_MAX_RANKS={self.max_ranks} "
+                "(the requests in flight, and one rank's state)"
             )
         return self
 
