@@ -4,8 +4,9 @@ encoded by prometheus_client's own encoder and sent, before the next piece is bu
 Built whole, one scrape of the costliest ranks the caps admit (393,190 series, 86 MB of
 text) grew the server by 291 MiB, more than GUARD_SERVER_MAX_BYTES; 8 at once, by eight
 times that. Written in pieces, a scrape holds the sorted (run_id, rank) keys, one piece's
-samples and text, and what the connection has not taken yet (the writer waits for it), and it
-reads each piece's reports when it writes them, so it pins no report a newer one replaced.
+samples and text, and what the connection has not taken yet of the chunk before (the writer
+waits for it), and it reads each piece's reports when it writes them, so it pins no report a
+newer one replaced.
 The bytes are prometheus_client's, piece by piece (tests/server/test_exposition.py).
 """
 
@@ -20,7 +21,7 @@ from guard_server.collector import family, server_families
 from guard_server.families import PER_RANK, Family
 from guard_server.store import Store
 
-__all__ = ["Encoder", "PIECE_SAMPLES", "exposition"]  # noqa: RUF022 - sorted(), as test_isolation
+__all__ = ["Encoder", "PIECE_SAMPLES", "SEND_BYTES", "exposition"]  # noqa: RUF022 - sorted(), as test_isolation
 
 Encoder = Callable[[Collector], bytes]
 
@@ -28,6 +29,8 @@ Encoder = Callable[[Collector], bytes]
 # text and ~2 MB while it is built; its own overhead (an encoder call, a thread hop) is a
 # fraction of a percent of its time.
 PIECE_SAMPLES = 2048
+# Bytes handed to the connection at a time (at least; a piece more at most).
+SEND_BYTES = 128 << 10
 
 
 class _Families(Collector):
@@ -42,8 +45,22 @@ class _Families(Collector):
 
 def exposition(store: Store, encode: Encoder,
                piece: int = PIECE_SAMPLES) -> Generator[bytes, None, None]:
-    """The bytes `encode` would write for the store's families, a piece of at most about
-    `piece` samples at a time."""
+    """The bytes `encode` would write for the store's families, built a piece of at most
+    about `piece` samples at a time and handed on in chunks of SEND_BYTES or more."""
+    # Each chunk is one hop to the thread pool and one write: a scrape of a few ranks in one,
+    # not in the 25 pieces it is built in (5x the CPU of the whole scrape).
+    chunk: list[bytes] = []
+    size = 0
+    for text in _pieces(store, encode, piece):
+        chunk.append(text)
+        size += len(text)
+        if size >= SEND_BYTES:
+            yield b"".join(chunk)
+            chunk, size = [], 0
+    yield b"".join(chunk)
+
+
+def _pieces(store: Store, encode: Encoder, piece: int) -> Iterator[bytes]:
     keys = store.rank_keys()
     for f in PER_RANK:
         head, eof = _framing(f, encode)

@@ -37,7 +37,7 @@ WAITING_PER_SLOT = 8
 # What one scrape in flight holds (guard_server/exposition.py; tests/server/test_exposition.py
 # measures it): the sorted (run_id, rank) key of every rank (~70 bytes each), a piece of
 # samples while it is built and encoded (up to 3.6 MiB with the costliest series), and what its
-# connection has not taken of the pieces before (one piece's text, ~0.5 MB, in two copies).
+# connection has not taken of the chunk before (128 KiB and a piece's text, in two copies).
 _SCRAPE_BYTES_PER_RANK = 128
 _SCRAPE_PIECE_BYTES = 5 << 20
 # The push sink reads the same variable, so one GUARD_TOKEN configures both ends.
@@ -72,7 +72,8 @@ class Settings(BaseSettings):
     max_inflight_bodies: int = Field(default=8, ge=1)
     # Scrapes of /metrics written at once; 8x as many more wait for a turn (scrape_wait_s at
     # most, then 503), the rest get 503 at once. A scrape holds a few MiB whatever the state
-    # (it is written a piece at a time), and 4 turns leave a Prometheus HA pair room to spare.
+    # (it is written a piece at a time), and 4 turns leave a Prometheus HA pair room to spare
+    # (and a client that reads slowly holds one of four). They share one CPU (the GIL).
     max_inflight_scrapes: int = Field(default=4, ge=1)
     # Prometheus' default scrape_timeout: a scrape that waited longer has been given up on.
     scrape_wait_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
@@ -91,7 +92,7 @@ class Settings(BaseSettings):
     max_connections: int = Field(default=2048, ge=8)
     read_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     # An answer must be taken whole within this of its request's head, or the connection is
-    # closed: a client that stops reading (or reads a scrape a byte at a time) would hold its
+    # reset: a client that stops reading (or reads a scrape a byte at a time) would hold its
     # scrape's turn, and what the connection has not taken, for as long as it likes. The
     # costliest scrape the caps admit (86 MB) is written in ~5 s on 2 cores.
     write_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)

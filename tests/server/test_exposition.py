@@ -16,7 +16,7 @@ import pytest
 
 from guard_server import EmbeddedServer, ReportBatch, Settings, Store
 from guard_server.collector import new_registry
-from guard_server.exposition import exposition
+from guard_server.exposition import _pieces, exposition
 from guard_server.routes.metrics import encoder_for
 from guard_server.settings import _SCRAPE_BYTES_PER_RANK, _SCRAPE_PIECE_BYTES
 from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
@@ -48,9 +48,8 @@ def test_the_pieces_are_prometheus_clients_bytes(make_batch: Any, accept: str) -
     store.ingest(ReportBatch.model_validate(make_batch("bare", 0, loss=None, padding_mass=None,
                                                       padding_mass_max=None, violations={})))
     encode, _ = encoder_for(accept)
-    pieces = list(exposition(store, encode, piece=50))
-    assert len(pieces) > 40  # every family in several pieces
-    assert b"".join(pieces) == encode(new_registry(store))
+    assert len(list(_pieces(store, encode, 50))) > 40  # every family in several pieces
+    assert b"".join(exposition(store, encode, piece=50)) == encode(new_registry(store))
 
 
 def test_a_scrape_holds_what_the_budget_keeps_for_it(make_batch: Any) -> None:
