@@ -89,6 +89,7 @@ def guarded_protocol(max_connections: int, read_timeout_s: float,
             if self.cycle is not None and not self.cycle.response_complete:
                 self._disarm()  # the head has arrived; the body has the route's timeout
                 if self.cycle is not before:
+                    self._answered()  # an answer before it was taken whole; this one counts now
                     self._answer_timer = self.loop.call_later(write_timeout_s, self._late)
                     if self.cycle.more_body:
                         # A request whose body is still to come: read no more of it until the
@@ -97,7 +98,8 @@ def guarded_protocol(max_connections: int, read_timeout_s: float,
                         self.flow.pause_reading()
 
         def on_response_complete(self) -> None:
-            self._answered()
+            if not self.transport.get_write_buffer_size():
+                self._answered()  # else the deadline still runs: the client has not taken it
             if self.cycle is not None:
                 # The part of a body nobody read (a refused request) would otherwise stay with
                 # the connection until its next request or its close: up to ~128 KiB each.
@@ -121,11 +123,12 @@ def guarded_protocol(max_connections: int, read_timeout_s: float,
                 self._answer_timer = None
 
         def _late(self) -> None:
-            # The request's answer (a scrape, most likely) is not taken whole in time: cut it.
-            # Reset, not closed: a close waits for the client to take what is buffered, here
-            # and in the kernel, and a client that does not read never does.
+            # The request's answer (a scrape, most likely) is not written, or not taken, whole
+            # in time: cut it. Reset, not closed: a close waits for the client to take what is
+            # buffered, here and in the kernel, and a client that does not read never does.
             self._answer_timer = None
-            if self.cycle is not None and not self.cycle.response_complete:
+            written = self.cycle is None or self.cycle.response_complete
+            if not written or self.transport.get_write_buffer_size():
                 tally.add("with an answer not taken in time", limits)
                 sock = self.transport.get_extra_info("socket")
                 if sock is not None:

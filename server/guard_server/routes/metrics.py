@@ -4,7 +4,7 @@ GUARD_SERVER_MAX_INFLIGHT_SCRAPES scrapes at once."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from functools import partial
 
@@ -12,12 +12,13 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics.exposition import ALLOWUTF8, UNDERSCORES
 from prometheus_client.registry import Collector
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from guard_server.deps import ScrapeTurnsDep, StoreDep
 from guard_server.errors import BusyError
-from guard_server.exposition import exposition
+from guard_server.exposition import SEND_BYTES, exposition
 from guard_server.responses import Problem
 
 __all__ = ["encoder_for", "router"]
@@ -39,21 +40,38 @@ def encoder_for(accept: str) -> tuple[Callable[[Collector], bytes], str]:
     return encode, content_type
 
 
-class _Exposition(StreamingResponse):
-    """The pieces, each rendered in the thread pool when the connection has taken the one
-    before; the scrape's turn is given back once they are sent or the client is gone."""
+class _TurnHeld(Response):
+    """An answer that gives its scrape's turn back (and lets go of its chunks) once it is sent
+    or its client is gone: a turn never given back would be one scrape fewer at once for good.
+    Whole, as a scrape of a few ranks (a rank's own endpoint) is: one answer with its length,
+    as cheap as before the pieces."""
 
-    def __init__(self, pieces: Generator[bytes, None, None], content_type: str,
-                 turn: AsyncExitStack) -> None:
-        super().__init__(pieces, headers={"Content-Type": content_type})
-        self._pieces, self._turn = pieces, turn
+    def __init__(self, content: bytes, content_type: str, turn: AsyncExitStack) -> None:
+        super().__init__(content, headers={"Content-Type": content_type})
+        self.turn = turn
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._pieces.close()  # a scrape cut short lets go of its keys now, not at GC
-            await self._turn.aclose()
+            await self.turn.aclose()
+
+
+class _Exposition(_TurnHeld, StreamingResponse):
+    """In chunks, each but the first rendered in the thread pool once the connection has
+    taken most of the one before (uvicorn waits while more than 64 KiB is unsent)."""
+
+    def __init__(self, first: bytes, chunks: Iterator[bytes], content_type: str,
+                 turn: AsyncExitStack) -> None:
+        StreamingResponse.__init__(self, _after(first, chunks),
+                                   headers={"Content-Type": content_type})
+        self.turn = turn
+
+
+async def _after(first: bytes, chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in iterate_in_threadpool(chunks):
+        yield chunk
 
 
 @router.get("/metrics", response_class=Response, summary="Prometheus metrics", responses={
@@ -68,4 +86,13 @@ async def metrics(request: Request, store: StoreDep, turns: ScrapeTurnsDep) -> R
     except BusyError as exc:
         headers = {"Retry-After": str(BUSY_RETRY_AFTER_S)}
         raise HTTPException(503, str(exc), headers=headers) from None
-    return _Exposition(exposition(store, encode), content_type, turn)
+    chunks = exposition(store, encode)
+    turn.callback(chunks.close)  # a scrape cut short lets go of its keys now, not at GC
+    try:
+        first = await run_in_threadpool(next, chunks)
+    except BaseException:
+        await turn.aclose()
+        raise
+    if len(first) < SEND_BYTES:  # all of it: only the last chunk is shorter
+        return _TurnHeld(first, content_type, turn)
+    return _Exposition(first, chunks, content_type, turn)
