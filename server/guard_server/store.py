@@ -130,9 +130,9 @@ class Store:
     def latest(self, keys: Iterable[tuple[str, int]]) -> list[Row]:
         """(run_id, rank, latest report, last seen) of each of `keys` still held now: a scrape
         reads the state a piece at a time and so pins no report a newer one replaced."""
-        with self._lock:
+        with self._lock:  # latest and last_seen of one update, not of two
             held = [(rid, rank, self._runs.get(rid, {}).get(rank)) for rid, rank in keys]
-        return [(rid, rank, s.latest, s.last_seen) for rid, rank, s in held if s is not None]
+            return [(rid, rank, s.latest, s.last_seen) for rid, rank, s in held if s is not None]
 
     def totals(self) -> tuple[int, int]:
         """(reports accepted since start, estimated bytes of state held now)."""

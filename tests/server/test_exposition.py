@@ -43,13 +43,18 @@ def filled(store: Store, make_batch: Any, costly: int, typical: int = 0) -> Stor
 
 
 @pytest.mark.parametrize("accept", ["", OPENMETRICS])
-def test_the_pieces_are_prometheus_clients_bytes(make_batch: Any, accept: str) -> None:
-    store = filled(Store(Settings()), make_batch, costly=30, typical=40)
+@pytest.mark.parametrize("ranks", [1, 70])
+def test_the_pieces_are_prometheus_clients_bytes(
+    make_batch: Any, accept: str, ranks: int
+) -> None:
+    # 70: every family in several pieces; 1: all in one (a rank's own endpoint).
+    store = filled(Store(Settings()), make_batch, costly=ranks // 2, typical=ranks // 2)
     store.ingest(ReportBatch.model_validate(make_batch("bare", 0, loss=None, padding_mass=None,
                                                       padding_mass_max=None, violations={})))
     encode, _ = encoder_for(accept)
-    assert len(list(_pieces(store, encode, 50))) > 40  # every family in several pieces
-    assert b"".join(exposition(store, encode, piece=50)) == encode(new_registry(store))
+    pieces = len(list(_pieces(store, encode, 60)))
+    assert (pieces == 1) if ranks == 1 else (pieces > 40)
+    assert b"".join(exposition(store, encode, piece=60)) == encode(new_registry(store))
 
 
 def test_a_scrape_holds_what_the_budget_keeps_for_it(make_batch: Any) -> None:
