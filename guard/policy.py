@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -13,11 +14,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from guard_server.wire import CHECKS, RUN_ID_PATTERN, RunId
+from guard.quote import quote
+from guard_server.wire import CHECKS, RunId
 
 __all__ = ["ATTACH_CHECKS", "CHECKS", "STEP_CHECKS", "Action", "Policy", "default_run_id"]
 
@@ -41,24 +46,35 @@ class Action(StrEnum):
 _NUMBERS = (int, float, int | None, float | None)
 
 
+def _noun(value: object) -> str:
+    """`value`'s kind with its article: "a string", "an integer"."""
+    return {bool: "a boolean", str: "a string", int: "an integer", float: "a number"}.get(
+        type(value), f"a {type(value).__name__}")
+
+
 class _Strict(BaseModel):
     # allow_inf_nan=False: `.inf` as a factor would silently disable its check.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _edge_values(cls, data: Any) -> Any:
-        """YAML 1.1 reads `off` (and `no`) as false: an action of false is `off`. A boolean
-        where a number goes is refused (pydantic would take true as 1)."""
-        if not isinstance(data, dict):
-            return data
-        if data.get("action") is False and "action" in cls.model_fields:
+    def _off(cls, data: Any) -> Any:
+        """YAML 1.1 reads `off` (and `no`) as false: an action of false is `off`."""
+        if isinstance(data, dict) and data.get("action") is False and "action" in cls.model_fields:
             data = {**data, "action": "off"}
-        for name, value in data.items():
-            field = cls.model_fields.get(name)
-            if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
-                raise ValueError(f"{name}: {value!r} is a boolean; expected a number")
         return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _exact_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        """Where a number goes, a boolean or a string is refused (pydantic would take true as 1
+        and "12" as 12); where a boolean goes, anything but true or false ("yes", 1)."""
+        kind = cls.model_fields[str(info.field_name)].annotation
+        if kind in _NUMBERS and isinstance(value, bool | str):
+            raise ValueError(f"{quote(value)} is {_noun(value)}; expected a number")
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"{quote(value)} is {_noun(value)}; expected true or false")
+        return value
 
 
 class AttachCheck(_Strict):
@@ -169,7 +185,9 @@ class Cadence(_Strict):
     read_every: int = Field(1, ge=1)
 
 
-_HOST_PORT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
+# Matched whole (fullmatch): re.match's `$` would take a trailing newline.
+_HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
+_URL = re.compile(r"https?://[^\s/]+(/\S*)?")
 
 
 class Export(_Strict):
@@ -181,16 +199,17 @@ class Export(_Strict):
     def _host_port(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        m = _HOST_PORT.match(v)
+        m = _HOST_PORT.fullmatch(v)
         if not m or not 0 <= int(m["port"]) <= 65535:
-            raise ValueError(f"expected host:port such as 127.0.0.1:9464, got {v!r}")
+            raise ValueError(f"expected host:port such as 127.0.0.1:9464, got {quote(v)}")
         return v
 
     @field_validator("push")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^\s/]+(/\S*)?$", v):
-            raise ValueError(f"expected an http(s) URL such as http://guard-server:9400, got {v!r}")
+        if v is not None and not _URL.fullmatch(v):
+            raise ValueError("expected an http(s) URL such as http://guard-server:9400, got "
+                             f"{quote(v)}")
         return v
 
     def serve_address(self, local_rank: int = 0) -> tuple[str, int] | None:
@@ -234,10 +253,23 @@ class Policy(_Strict):
         return [c for c in checks if self.action(c) is action]
 
 
+log = logging.getLogger("guard")
+
+# The wire's own check of a run_id: re.match's `$` takes a trailing newline, pydantic's does not.
+_RUN_ID: TypeAdapter[str] = TypeAdapter(RunId)
+
+
 def default_run_id() -> str:
-    """TORCHELASTIC_RUN_ID under torchrun, else host-pid-time."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID")
-    if rid and re.match(RUN_ID_PATTERN, rid):
-        return rid
+    """TORCHELASTIC_RUN_ID under torchrun (without surrounding whitespace: a value read from a
+    file ends in a newline), else host-pid-time."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
     host = re.sub(r"[^A-Za-z0-9_.\-]", "-", socket.gethostname())[:64] or "host"
-    return f"{host}-{os.getpid()}-{int(time.time())}"
+    fallback = f"{host}-{os.getpid()}-{int(time.time())}"
+    if rid:
+        try:
+            return _RUN_ID.validate_python(rid)
+        except ValidationError:
+            log.warning("guard: TORCHELASTIC_RUN_ID %s is no run_id (1-128 characters of A-Z, "
+                        "a-z, 0-9, _ . : -); reporting as %r, which differs per rank: set run_id "
+                        "in the policy", quote(rid), fallback)
+    return fallback

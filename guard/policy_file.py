@@ -3,6 +3,7 @@ problem names the key and what was expected, and the file it came from."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -15,8 +16,12 @@ from pydantic import BaseModel, ValidationError
 
 from guard.errors import PolicyError
 from guard.policy import Policy
+from guard.quote import quote
 
 __all__ = ["load_policy"]
+
+# A parser's message quotes the line it stopped at; a minified file is one line.
+_MAX_PARSER_MESSAGE = 300
 
 
 def _describe(err: dict[str, Any]) -> str:
@@ -27,10 +32,11 @@ def _describe(err: dict[str, Any]) -> str:
     if kind == "literal_error":
         allowed = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
         choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if allowed else "?"
-        return f"{where}: {err['input']!r} is not allowed; choose {choices}"
+        return f"{where}: {quote(err['input'])} is not allowed; choose {choices}"
     if kind == "value_error":
         return f"{where}: {str(err['msg']).removeprefix('Value error, ')}"
-    return f"{where}: {err['msg']} (got {err.get('input')!r})"
+    # Quoted within bounds: a YAML alias bomb is a few hundred bytes that expand to gigabytes.
+    return f"{where}: {err['msg']} (got {quote(err.get('input'))})"
 
 
 def _allowed_keys(loc: tuple[Any, ...]) -> str:
@@ -71,9 +77,11 @@ def _read(path: str | os.PathLike[str]) -> Policy:
         expected = "use .yaml, .yml, .toml or .json"
         raise PolicyError(str(p), [f"unknown extension {suffix!r}; {expected}"])
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = p.read_bytes()
     except OSError as e:
         raise PolicyError(str(p), [f"cannot read: {e.strerror or e}"]) from None
+    text = _decode(raw, str(p))
+    fmt = suffix[1:].upper().replace("YML", "YAML")
     try:
         if suffix == ".toml":
             data: Any = tomllib.loads(text)
@@ -81,9 +89,26 @@ def _read(path: str | os.PathLike[str]) -> Policy:
             data = json.loads(text)
         else:
             data = yaml.safe_load(text)
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise PolicyError(str(p), [f"not valid {suffix[1:].upper()}: {e}"]) from None
+    # ValueError: the decode errors of json and tomllib, and an integer of more than 4300
+    # digits in any of the three (int() refuses to read it).
+    except (yaml.YAMLError, ValueError) as e:
+        raise PolicyError(str(p), [f"not valid {fmt}: {str(e)[:_MAX_PARSER_MESSAGE]}"]) from None
+    except RecursionError:
+        raise PolicyError(str(p), [f"not a policy: {fmt} nested too deeply to read (a policy "
+                                   "is three levels deep)"]) from None
     return _validate(data, str(p))
+
+
+def _decode(raw: bytes, source: str) -> str:
+    """The file's text: UTF-8, with or without a byte-order mark (editors on Windows add one)."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            why = "it is UTF-16 (it starts with a UTF-16 byte-order mark)"
+        else:
+            why = f"byte {raw[e.start]:#04x} at offset {e.start} is not UTF-8"
+        raise PolicyError(source, [f"not UTF-8 text: {why}; save the file as UTF-8"]) from None
 
 
 def load_policy(policy: Policy | dict[str, Any] | str | os.PathLike[str] | None) -> Policy:

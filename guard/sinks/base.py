@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from guard.errors import AttachError
 from guard_server.wire import ReportBatch
 
 if TYPE_CHECKING:
@@ -32,5 +33,10 @@ def open_sinks(export: Export, local_rank: int) -> list[Sink]:
     if address is not None and (embedded := start_embedded(*address)) is not None:
         sinks.append(embedded)
     if export.push is not None:
-        sinks.append(PushSink(export.push))
+        try:
+            sinks.append(PushSink(export.push))
+        except ValueError as e:  # GUARD_TOKEN is no bearer token: said at start, not at step 1
+            for sink in sinks:
+                sink.close()
+            raise AttachError(f"guard: export.push: {e}") from None
     return sinks

@@ -3,7 +3,10 @@
 `emit` only appends to the queue (dropping the oldest report when full), so the training step
 never waits on the network and never sees its errors. The thread batches by count and time,
 retries connection errors, 5xx and 429 with exponential backoff (never sooner than the
-server's `Retry-After`), gives every request an overall deadline, and counts what it drops.
+server's `Retry-After`), gives every request an overall deadline, reads at most
+`max_answer_bytes` of each answer, and counts what it drops. What will not heal by retrying (a
+401, 403, 413 or 422, a TLS certificate refused) is dropped at once and logged (guard/sinks/
+replies.py); what is given up at close is logged there.
 
 The deadline is why the thread runs its requests on an event loop of its own: httpx's timeouts
 bound each read, so a server that answers one byte at a time held a blocking request (and the
@@ -14,84 +17,43 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import email.utils
 import functools
 import itertools
 import logging
 import os
 import threading
 import time
-import urllib.parse
 import weakref
 from collections import deque
 
 import httpx
 
-from guard_server.wire import MAX_BATCH_REPORTS, ReportBatch, StepReport
+from guard.sinks.replies import (
+    Answer,
+    Throttled,
+    certificate_problem,
+    read_answer,
+    redact,
+    refusal,
+    split_credentials,
+)
+from guard_server.wire import MAX_BATCH_REPORTS, ReportBatch, StepReport, bearer_token
 
-__all__ = ["PushSink", "redact"]
+__all__ = ["PushSink"]
 
 log = logging.getLogger("guard")
 
 # Far below the server's 1 MiB body limit even with 32 long violation messages in a report.
 MAX_BATCH_BYTES = 512 * 1024
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-# A Retry-After is honoured up to this; a longer one (or a forged one) would silence the rank.
-_RETRY_AFTER_MAX_S = 60.0
-# A rejection that repeats (a missing token: every push) is logged at most this often.
-_ERROR_EVERY_S = 60.0
-
-
-def redact(url: str) -> str:
-    """`url` without the credentials of its user-info part, for logs: http://***@host/."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    if parts.port is not None:
-        host += f":{parts.port}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"***@{host}"))
-
-
-def retry_after(response: httpx.Response) -> float | None:
-    """The seconds a 429 / 503 asks to wait (delta-seconds or an HTTP date), at most
-    _RETRY_AFTER_MAX_S; None when absent or unreadable."""
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
-            return None
-    return min(max(seconds, 0.0), _RETRY_AFTER_MAX_S)
-
-
-class _Throttled:
-    """An error logged once per _ERROR_EVERY_S per kind, with how many were not logged."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def error(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, float("-inf")) < _ERROR_EVERY_S:
-            self._quiet[kind] = self._quiet.get(kind, 0) + 1
-            return
-        quiet = self._quiet.pop(kind, 0)
-        self._last[kind] = now
-        more = f" ({quiet} more like it in the last {_ERROR_EVERY_S:.0f} s)" if quiet else ""
-        log.error("%s%s", message, more)
 
 
 class PushSink:
     """Push reports to `{url}/v1/reports`; token from GUARD_TOKEN unless given.
 
-    `timeout_s` bounds each connect / read / write, `deadline_s` each request as a whole.
+    `timeout_s` bounds each connect / read / write, `deadline_s` each request as a whole,
+    `max_answer_bytes` what is read of each answer (the rest is never read). A token that
+    cannot be sent as a bearer token is a ValueError here, at start.
     """
 
     def __init__(
@@ -105,26 +67,33 @@ class PushSink:
         timeout_s: float = 2.0,
         deadline_s: float = 10.0,
         backoff_s: tuple[float, float] = (0.2, 10.0),
+        max_answer_bytes: int = 4096,
     ) -> None:
-        self.endpoint = url.rstrip("/") + "/v1/reports"
-        self.where = redact(self.endpoint)  # what the logs say: never the URL's credentials
+        self.where = redact(url.rstrip("/") + "/v1/reports")  # never the URL's credentials
+        url, auth = split_credentials(url.rstrip("/"))
+        self.endpoint = url + "/v1/reports"
+        # identity: what is read of an answer is its bytes on the wire, never an inflated body.
+        headers = {"content-type": "application/json", "accept-encoding": "identity"}
         token = token if token is not None else os.environ.get("GUARD_TOKEN")
-        headers = {"content-type": "application/json"}
-        if token:
-            headers["authorization"] = f"Bearer {token}"
+        if token is not None:  # the server's rule (guard_server.wire): stripped, header-safe
+            headers["authorization"] = f"Bearer {bearer_token(token, 'GUARD_TOKEN')}"
+        self._token_sent = token is not None
+        self._max_answer_bytes = max_answer_bytes
         self._loop = asyncio.new_event_loop()  # the push thread's; see the module docstring
-        self._client = httpx.AsyncClient(headers=headers, timeout=timeout_s)
+        self._client = httpx.AsyncClient(headers=headers, auth=auth, timeout=timeout_s)
         self._queue: deque[ReportBatch] = deque()  # one report each
         self._max_queue = max_queue
         self._batch_size = min(batch_size, MAX_BATCH_REPORTS)
         self._flush_interval_s = flush_interval_s
         self._deadline_s = deadline_s
         self._backoff_s = backoff_s
-        self._errors = _Throttled()
+        self._errors = Throttled()
         self._cond = threading.Condition()
         self._closing = False
         self._deadline = float("inf")  # close(): give up retrying after this
         self._in_flight = 0  # reports taken from the queue and not yet sent or dropped
+        self._gave_up = 0  # reports in flight given up at close (the server never took them)
+        self._failure = "none"  # why the last try failed, for the line at close
         self.dropped = 0
         self.sent = 0
         self._thread = threading.Thread(target=self._run, name="guard-push", daemon=True)
@@ -163,12 +132,13 @@ class PushSink:
         self._thread.join(timeout + 1.0)
         with self._cond:
             left = len(self._queue) + (self._in_flight if self._thread.is_alive() else 0)
-            if left:
-                self.dropped += left
-                log.warning("guard: %d reports not pushed to %s before close; dropped",
-                            left, self.where)
-                self._queue.clear()
-                self._in_flight = 0
+            self.dropped += left
+            self._queue.clear()
+            self._in_flight = 0
+            if left + self._gave_up:
+                log.warning("guard: %d reports not pushed to %s within the %g s of close (last "
+                            "try: %s); dropped, %d in all this run", left + self._gave_up,
+                            self.where, timeout, self._failure, self.dropped)
 
     # -- the background thread ---------------------------------------------------------------
 
@@ -210,34 +180,47 @@ class PushSink:
                 self.dropped += count
             self._in_flight = max(0, self._in_flight - count)
 
-    def _post(self, body: bytes) -> httpx.Response:
+    def _post(self, body: bytes) -> Answer:
         """One request, bounded as a whole by deadline_s (and by close's deadline)."""
         limit = self._deadline_s
         with self._cond:
             if self._closing:
                 limit = min(limit, max(0.0, self._deadline - time.monotonic()))
-        request = self._client.post(self.endpoint, content=body)
-        return self._loop.run_until_complete(asyncio.wait_for(request, limit))
+        request = self._client.build_request("POST", self.endpoint, content=body)
+        answer = read_answer(self._client, request, self._max_answer_bytes)
+        try:
+            return self._loop.run_until_complete(asyncio.wait_for(answer, limit))
+        finally:
+            # An answer left unread leaves httpcore's stream generators to the loop's finaliser,
+            # which schedules their closing; this loop runs only inside these calls, so give
+            # them their turn now (or they are destroyed pending when the loop closes).
+            self._loop.run_until_complete(asyncio.sleep(0))
 
     def _send(self, body: bytes, count: int) -> None:
         delay = self._backoff_s[0]
         while True:
             wait = delay
             try:
-                r = self._post(body)
-                if r.status_code < 300:
+                a = self._post(body)
+                if a.status < 300:
                     self._settle(count, sent=True)
                     return
-                if r.status_code not in _RETRY_STATUS:
+                if a.status not in _RETRY_STATUS:
                     self._settle(count, sent=False)
-                    self._errors.error(str(r.status_code), _rejected(self.where, count, r))
+                    self._errors.error(str(a.status), refusal(
+                        self.where, count, a, token_sent=self._token_sent))
                     return
-                why = f"HTTP {r.status_code}"
-                wait = max(delay, retry_after(r) or 0.0)
+                why = f"HTTP {a.status}"
+                wait = max(delay, a.retry_after_s or 0.0)
             except (httpx.HTTPError, TimeoutError) as e:
+                if (cert := certificate_problem(e)) is not None:
+                    self._settle(count, sent=False)
+                    self._errors.error("tls", _certificate_refused(self.where, count, cert))
+                    return
                 why = (f"no complete answer within {self._deadline_s:g} s"
                        if isinstance(e, TimeoutError) else type(e).__name__)
             with self._cond:
+                self._failure = why
                 resume = time.monotonic() + wait
                 if not self._closing:
                     log.debug("guard: push to %s failed (%s); retrying in %.1f s", self.where,
@@ -247,8 +230,9 @@ class PushSink:
                     self._cond.wait_for(lambda: self._closing, wait)
                 if self._closing and resume > self._deadline:
                     # The next try would come after close's deadline: no more tries for any
-                    # batch (the server asked for the wait); the rest is counted at close.
+                    # batch (the server asked for the wait); close() says how many were lost.
                     self._deadline = min(self._deadline, time.monotonic())
+                    self._gave_up += count
                     self._settle(count, sent=False)
                     return
             if (left := resume - time.monotonic()) > 0:  # closing, with time for one more try
@@ -261,15 +245,10 @@ def _close_at_exit(ref: weakref.ref[PushSink]) -> None:
         sink.close(timeout=2.0)
 
 
-def _rejected(where: str, count: int, r: httpx.Response) -> str:
-    """The error for a push the server refused for good: what to do about it."""
-    head = f"guard: {where} rejected {count} reports (HTTP {r.status_code})"
-    if r.status_code in (401, 403):
-        return (f"{head}: the server wants a token and the trainer sent "
-                f"{'a wrong one' if 'authorization' in r.request.headers else 'none'}; set "
-                "GUARD_TOKEN in the trainer's environment to the server's token "
-                "(docs/server.md); dropped")
-    return f"{head}: {r.text[:300]}; dropped"
+def _certificate_refused(where: str, count: int, why: str) -> str:
+    return (f"guard: {where}: the server's TLS certificate is refused ({why}); retrying will not "
+            f"heal this: fix the certificate (its name must be the URL's host) or the URL, or "
+            f"trust its issuer with SSL_CERT_FILE; {count} reports dropped")
 
 
 def _encode(batch: ReportBatch) -> list[tuple[bytes, int]]:

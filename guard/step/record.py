@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from typing import Any, cast, get_args
 
 from annotated_types import Ge, Le
+from pydantic import ValidationError
 
 from guard.checks import SPECS
 from guard.device.reading import LAYOUT, Values
 from guard.policy import CHECKS, Action, Policy, default_run_id
+from guard.quote import quote
 from guard.sinks import Sink
 from guard.step.messages import Messages
 from guard.step.verdict import Note, Verdict, Violation
@@ -111,6 +113,7 @@ class Record:
         self._events: list[Event] = []
         self._once: set[str] = set()  # keys of violations reported already
         self._messages = Messages()  # what of them reaches the log
+        self.unbuilt = 0  # reports that could not be built (logged once, counted here)
 
     @classmethod
     def from_policy(cls, policy: Policy, audit: Audit, rank: int) -> Record:
@@ -214,22 +217,45 @@ class Record:
         return counts
 
     def emit(self, *, final: bool = False) -> None:
-        """One report to every sink; a sink that fails is logged and training goes on."""
+        """One report to every sink; a report that cannot be built, or a sink that fails, is
+        logged and training goes on."""
         if not self.sinks:
             self._events.clear()
             return
-        batch = ReportBatch(run_id=self.run_id, rank=self.rank,
-                            reports=[self.report(final=final)])
+        try:
+            batch = ReportBatch(run_id=self.run_id, rank=self.rank,
+                                reports=[self.report(final=final)])
+        except Exception as e:  # a report must never stop training
+            self._unbuilt(e)
+            return
         for sink in self.sinks:
             try:
                 sink.emit(batch)
             except Exception:  # a sink must never stop training
                 log.exception("guard: sink %r failed; continuing", sink)
 
+    def _unbuilt(self, e: Exception) -> None:
+        """Log the first report that cannot be built (every later one fails alike), count all."""
+        self.unbuilt += 1
+        if self.unbuilt == 1:
+            log.error("guard: the report of step %d cannot be built (%s); no report reaches "
+                      "the sinks while this lasts, training goes on", self._stats["step"],
+                      _why(e))
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
 
     def summarise(self) -> None:
-        """One log line per check that fired (at detach)."""
+        """One log line per check that fired (at detach), and the reports never built."""
         self._messages.summary()
+        if self.unbuilt:
+            log.error("guard: %d reports could not be built and were not sent", self.unbuilt)
+
+
+def _why(e: Exception) -> str:
+    """What is wrong, bounded: a ValidationError by field, without the values it quotes."""
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                         for err in e.errors(include_url=False, include_input=False)[:3])
+    return f"{type(e).__name__}: {quote(str(e), 200)}"

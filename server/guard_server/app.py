@@ -1,5 +1,5 @@
-"""The FastAPI application: one store, one registry, four routers (three for the trainer's
-embedded endpoint, which takes no reports)."""
+"""The FastAPI application: one store, turns for the bodies and the scrapes in flight, four
+routers (three for the trainer's embedded endpoint, which takes no reports)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from guard_server.auth import ReadAuth
-from guard_server.collector import new_registry
-from guard_server.limits import TURN_WAIT_S, BodySlots
+from guard_server.errors import BusyError
+from guard_server.framing import CloseAfter
+from guard_server.limits import TURN_WAIT_S, Turns
 from guard_server.routes import ROUTERS, ingest_router
 from guard_server.settings import Settings
 from guard_server.store import Store
@@ -24,6 +25,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     # Tell load balancers to stop sending before uvicorn drains the open connections.
     app.state.ready = False
+
+
+def _scrapes_busy(limit: int, waited_s: float) -> BusyError:
+    return BusyError(limit, waited_s, setting="MAX_INFLIGHT_SCRAPES",
+                     serving="writing {limit} scrapes", consequence="this one was not begun")
 
 
 def create_app(
@@ -44,14 +50,17 @@ def create_app(
     )
     app.state.settings = settings
     app.state.store = store
-    app.state.registry = new_registry(store)  # per app: two apps in one process never clash
     # A turn is waited for within the read timeout, so a waiting body is a 429, never a 408.
     wait_s = min(TURN_WAIT_S, settings.read_timeout_s / 2)
-    app.state.body_slots = BodySlots(settings.max_inflight_bodies, wait_s)
+    app.state.body_slots = Turns(settings.max_inflight_bodies, wait_s)
+    app.state.scrape_turns = Turns(settings.max_inflight_scrapes, settings.scrape_wait_s,
+                                   _scrapes_busy)
     app.state.ready = False
     for router in ROUTERS:
         if ingest or router is not ingest_router:
             app.include_router(router)
     if settings.token is not None:
         app.add_middleware(ReadAuth, token=settings.token, metrics=settings.metrics_token)
+    # Added last, so it is outermost: it sees every answer, ReadAuth's 401s included.
+    app.add_middleware(CloseAfter)
     return app

@@ -1,5 +1,5 @@
-"""Connection hygiene for uvicorn's h11 protocol: a cap on open connections and a deadline
-for each request's headers.
+"""Connection hygiene for uvicorn's h11 protocol: a cap on open connections, a deadline
+for each request's headers, and one for its answer to be taken whole.
 
 uvicorn bounds neither: a connection that never sends a byte stays open forever (its
 keep-alive timer starts only after a first response), and every stalled client holds a file
@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
+import struct
 import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -27,13 +29,16 @@ log = logging.getLogger("guard_server")
 _WARN_EVERY_S = 60.0
 # Bytes read from a connection at a time (asyncio's default is 256 KiB).
 _READ_BYTES = 64 << 10
+# SO_LINGER on, 0 s: closing the socket resets the connection, dropping what it has not sent.
+_RESET = struct.pack("ii", 1, 0)
 
 
 class _Tally:
     """Connections refused or timed out since the last warning, per kind."""
 
     def __init__(self) -> None:
-        self.counts = {"over the connection limit": 0, "without a request in time": 0}
+        self.counts = dict.fromkeys(("over the connection limit", "without a request in time",
+                                     "with an answer not taken in time"), 0)
         self.last_warning = float("-inf")
 
     def add(self, kind: str, limit: str) -> None:
@@ -46,16 +51,20 @@ class _Tally:
             self.counts = dict.fromkeys(self.counts, 0)
 
 
-def guarded_protocol(max_connections: int, read_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's H11Protocol with a connection cap and a request-head deadline."""
+def guarded_protocol(max_connections: int, read_timeout_s: float,
+                     write_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's H11Protocol with a connection cap, a request-head deadline and an answer
+    deadline."""
     tally = _Tally()
     limits = (
         f"GUARD_SERVER_MAX_CONNECTIONS={max_connections}, "
-        f"GUARD_SERVER_READ_TIMEOUT_S={read_timeout_s}"
+        f"GUARD_SERVER_READ_TIMEOUT_S={read_timeout_s}, "
+        f"GUARD_SERVER_WRITE_TIMEOUT_S={write_timeout_s}"
     )
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _answer_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -71,6 +80,7 @@ def guarded_protocol(max_connections: int, read_timeout_s: float) -> type[H11Pro
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._answered()
             super().connection_lost(exc)
 
         def handle_events(self) -> None:
@@ -78,13 +88,18 @@ def guarded_protocol(max_connections: int, read_timeout_s: float) -> type[H11Pro
             super().handle_events()
             if self.cycle is not None and not self.cycle.response_complete:
                 self._disarm()  # the head has arrived; the body has the route's timeout
-                if self.cycle is not before and self.cycle.more_body:
-                    # A request whose body is still to come: read no more of it until the
-                    # route asks for it (uvicorn's receive() resumes), so a body the route
-                    # refuses, or makes wait for its turn, is not buffered here meanwhile.
-                    self.flow.pause_reading()
+                if self.cycle is not before:
+                    self._answered()  # an answer before it was taken whole; this one counts now
+                    self._answer_timer = self.loop.call_later(write_timeout_s, self._late)
+                    if self.cycle.more_body:
+                        # A request whose body is still to come: read no more of it until the
+                        # route asks for it (uvicorn's receive() resumes), so a body the route
+                        # refuses, or makes wait for its turn, is not buffered here meanwhile.
+                        self.flow.pause_reading()
 
         def on_response_complete(self) -> None:
+            if not self.transport.get_write_buffer_size():
+                self._answered()  # else the deadline still runs: the client has not taken it
             if self.cycle is not None:
                 # The part of a body nobody read (a refused request) would otherwise stay with
                 # the connection until its next request or its close: up to ~128 KiB each.
@@ -101,6 +116,24 @@ def guarded_protocol(max_connections: int, read_timeout_s: float) -> type[H11Pro
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+
+        def _answered(self) -> None:
+            if self._answer_timer is not None:
+                self._answer_timer.cancel()
+                self._answer_timer = None
+
+        def _late(self) -> None:
+            # The request's answer (a scrape, most likely) is not written, or not taken, whole
+            # in time: cut it. Reset, not closed: a close waits for the client to take what is
+            # buffered, here and in the kernel, and a client that does not read never does.
+            self._answer_timer = None
+            written = self.cycle is None or self.cycle.response_complete
+            if not written or self.transport.get_write_buffer_size():
+                tally.add("with an answer not taken in time", limits)
+                sock = self.transport.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+                self.transport.abort()
 
         def _head_timeout(self) -> None:
             self._head_timer = None

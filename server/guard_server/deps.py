@@ -1,7 +1,7 @@
 """What the routes read from the app, as typed dependencies.
 
-`create_app` puts the settings, the store, the registry, the body slots and the ready flag on
-`app.state`; only this module reads them back, and a route asks for them by type:
+`create_app` puts the settings, the store, the turns for bodies and scrapes and the ready flag
+on `app.state`; only this module reads them back, and a route asks for them by type:
 
     def list_runs(store: StoreDep) -> RunList: ...
 """
@@ -12,13 +12,12 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
-from prometheus_client.registry import CollectorRegistry
 
-from guard_server.limits import BodySlots
+from guard_server.limits import Turns
 from guard_server.settings import Settings
 from guard_server.store import Store
 
-__all__ = ["BodySlotsDep", "ReadyDep", "RegistryDep", "SettingsDep", "StoreDep"]
+__all__ = ["BodySlotsDep", "ReadyDep", "ScrapeTurnsDep", "SettingsDep", "StoreDep"]
 
 
 def _state(name: str) -> Callable[[Request], Awaitable[Any]]:
@@ -32,6 +31,6 @@ def _state(name: str) -> Callable[[Request], Awaitable[Any]]:
 
 SettingsDep = Annotated[Settings, Depends(_state("settings"))]
 StoreDep = Annotated[Store, Depends(_state("store"))]
-RegistryDep = Annotated[CollectorRegistry, Depends(_state("registry"))]
-BodySlotsDep = Annotated[BodySlots, Depends(_state("body_slots"))]
+BodySlotsDep = Annotated[Turns, Depends(_state("body_slots"))]
+ScrapeTurnsDep = Annotated[Turns, Depends(_state("scrape_turns"))]
 ReadyDep = Annotated[bool, Depends(_state("ready"))]

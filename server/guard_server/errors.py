@@ -4,7 +4,8 @@ Each error subclasses the builtin it refines and keeps its data as attributes::
 
     SettingsError(ValueError)         a GUARD_SERVER_* variable (or argument) is invalid
     BodyTooLargeError(ValueError)     a report body is over GUARD_SERVER_MAX_BODY_BYTES (413)
-    BusyError(RuntimeError)           too many bodies are being read at once (429)
+    BusyError(RuntimeError)           too many bodies are being read at once (429), or
+                                      scrapes written at once (503)
     CapacityError(RuntimeError)       a batch would pass the caps on runs, ranks or series,
                                       or the byte budget (429)
     StepJumpError(ValueError)         a report's step runs further ahead than time allows (409)
@@ -47,16 +48,19 @@ class BodyTooLargeError(ValueError):
 
 
 class BusyError(RuntimeError):
-    """GUARD_SERVER_MAX_INFLIGHT_BODIES bodies are being read and as many wait their turn; this
-    one was refused before a byte of it was read."""
+    """As many requests of a kind as its GUARD_SERVER_MAX_INFLIGHT_* setting allows are being
+    served and as many again wait their turn (or this one waited its turn in vain); this one
+    was refused before any work on it: no byte of its body read, no scrape begun."""
 
-    def __init__(self, limit: int, waited_s: float) -> None:
+    def __init__(self, limit: int, waited_s: float, *, setting: str = "MAX_INFLIGHT_BODIES",
+                 serving: str = "reading {limit} request bodies",
+                 consequence: str = "nothing was stored") -> None:
         self.limit = limit
         self.waited_s = waited_s  # 0 when the queue was full on arrival
+        self.setting = "GUARD_SERVER_" + setting
         super().__init__(
-            f"the server is reading {limit} request bodies already "
-            f"(GUARD_SERVER_MAX_INFLIGHT_BODIES) and more wait their turn; nothing was stored. "
-            "Retry in a few seconds."
+            f"the server is {serving.format(limit=limit)} already ({self.setting}) and more "
+            f"wait their turn; {consequence}. Retry in a few seconds."
         )
 
 

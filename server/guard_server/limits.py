@@ -1,10 +1,10 @@
-"""Reading a request body under a byte limit, whatever its Content-Length claims, and only a
-few bodies at a time."""
+"""Reading a request body under a byte limit, whatever its Content-Length claims; turns, so
+that only a few bodies are read (and a few scrapes written) at a time."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from starlette.requests import Request
@@ -12,7 +12,7 @@ from starlette.requests import Request
 from guard_server.errors import BodyTooLargeError, BusyError
 from guard_server.settings import WAITING_PER_SLOT
 
-__all__ = ["BodySlots", "read_body"]
+__all__ = ["TURN_WAIT_S", "Turns", "read_body"]
 
 # How long a body waits for a turn: honest bodies are read in milliseconds, so a second covers
 # a burst of them; past it the server is held by slow clients, and a 429 that says when to
@@ -20,14 +20,18 @@ __all__ = ["BodySlots", "read_body"]
 TURN_WAIT_S = 1.0
 
 
-class BodySlots:
-    """At most `slots` bodies read at once and WAITING_PER_SLOT times as many waiting for a
-    turn (each at most `wait_s`); any more are refused (BusyError) before a byte of theirs is
-    read, so the bodies in flight stay within what GUARD_SERVER_MAX_BYTES keeps for them."""
+class Turns:
+    """At most `slots` requests of a kind served at once and WAITING_PER_SLOT times as many
+    waiting for a turn (each at most `wait_s`); any more are refused with `busy(waited_s)`
+    before any work on them, so what those in flight hold stays within what
+    GUARD_SERVER_MAX_BYTES keeps for them. Bodies read at once (the ingest route) and scrapes
+    written at once (GET /metrics) take turns each of their own."""
 
-    def __init__(self, slots: int, wait_s: float = TURN_WAIT_S) -> None:
+    def __init__(self, slots: int, wait_s: float = TURN_WAIT_S,
+                 busy: Callable[[int, float], BusyError] = BusyError) -> None:
         self.slots = slots
         self.wait_s = wait_s
+        self._busy = busy
         self._waiting = 0
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -38,13 +42,13 @@ class BodySlots:
         semaphore = self._here()
         if semaphore.locked():
             if self._waiting >= self.slots * WAITING_PER_SLOT:
-                raise BusyError(self.slots, 0.0)
+                raise self._busy(self.slots, 0.0)
             self._waiting += 1
             try:
                 async with asyncio.timeout(self.wait_s):
                     await semaphore.acquire()
             except TimeoutError:
-                raise BusyError(self.slots, self.wait_s) from None
+                raise self._busy(self.slots, self.wait_s) from None
             finally:
                 self._waiting -= 1
         else:
@@ -63,7 +67,7 @@ class BodySlots:
         return self._semaphore
 
 
-async def read_body(request: Request, limit: int, slots: BodySlots) -> bytes:
+async def read_body(request: Request, limit: int, slots: Turns) -> bytes:
     """Return the whole body, or raise BodyTooLargeError as soon as it passes `limit` bytes,
     or BusyError when no slot frees in time."""
     declared = request.headers.get("content-length", "")

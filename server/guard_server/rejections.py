@@ -9,6 +9,7 @@ from typing import Literal, get_args
 __all__ = ["REJECT_REASONS", "RejectReason", "Rejections"]
 
 RejectReason = Literal[
+    "bad_framing",
     "unauthorized",
     "not_json",
     "too_large",

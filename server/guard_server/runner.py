@@ -43,7 +43,8 @@ def uvicorn_config(
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_graceful_shutdown=5,
-        http=guarded_protocol(min(room, settings.max_connections), settings.read_timeout_s),
+        http=guarded_protocol(min(room, settings.max_connections), settings.read_timeout_s,
+                              settings.write_timeout_s),
         # uvicorn takes whole seconds here (it passes the value to call_later unchanged).
         timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
         **extra,

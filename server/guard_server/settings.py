@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from guard_server.errors import SettingsError
 from guard_server.families import MAX_SERIES_PER_RANK
-from guard_server.wire import MAX_EVENTS
+from guard_server.wire import MAX_EVENTS, bearer_token
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
@@ -34,6 +34,12 @@ _PARSED_PER_BODY = 12
 # lags the turns: a waiter counts until its task runs, after the slot it got was freed, so as
 # many waiters as slots turned honest bursts away (16 ranks pushing back to back: a 429 in 200).
 WAITING_PER_SLOT = 8
+# What one scrape in flight holds (guard_server/exposition.py; tests/server/test_exposition.py
+# measures it): the sorted (run_id, rank) key of every rank (~70 bytes each), a piece of
+# samples while it is built and encoded (up to 3.6 MiB with the costliest series), and what its
+# connection has not taken of the chunk before (128 KiB and a piece's text, in two copies).
+_SCRAPE_BYTES_PER_RANK = 128
+_SCRAPE_PIECE_BYTES = 5 << 20
 # The push sink reads the same variable, so one GUARD_TOKEN configures both ends.
 _TOKEN_VARS = ("GUARD_SERVER_TOKEN", "GUARD_TOKEN")
 
@@ -64,6 +70,13 @@ class Settings(BaseSettings):
     # at once. A push of a few KiB arrives with its head and holds a turn for microseconds; the
     # limit is what bounds a flood of slow 1 MiB bodies (each held until it is whole).
     max_inflight_bodies: int = Field(default=8, ge=1)
+    # Scrapes of /metrics written at once; 8x as many more wait for a turn (scrape_wait_s at
+    # most, then 503), the rest get 503 at once. A scrape holds a few MiB whatever the state
+    # (it is written a piece at a time), and 4 turns leave a Prometheus HA pair room to spare
+    # (and a client that reads slowly holds one of four). They share one CPU (the GIL).
+    max_inflight_scrapes: int = Field(default=4, ge=1)
+    # Prometheus' default scrape_timeout: a scrape that waited longer has been given up on.
+    scrape_wait_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     rank_ttl_s: float = Field(default=900.0, gt=0, allow_inf_nan=False)  # 15 min of silence
     finished_ttl_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)  # a few scrapes
     events_per_rank: int = Field(default=MAX_EVENTS, ge=0, le=MAX_EVENTS)  # one report's worth
@@ -78,6 +91,11 @@ class Settings(BaseSettings):
     # keep_alive_s. Pushes come once a second per rank, so 5 s keeps them reusing one.
     max_connections: int = Field(default=2048, ge=8)
     read_timeout_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    # An answer must be taken whole within this of its request's head, or the connection is
+    # reset: a client that stops reading (or reads a scrape a byte at a time) would hold its
+    # scrape's turn, and what the connection has not taken, for as long as it likes. The
+    # costliest scrape the caps admit (86 MB) is written in ~5 s on 2 cores.
+    write_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     keep_alive_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = False  # one line per push would dwarf everything else in the log
@@ -99,10 +117,11 @@ class Settings(BaseSettings):
 
     @field_validator("token")
     @classmethod
-    def _token_not_blank(cls, token: SecretStr | None) -> SecretStr | None:
-        if token is not None and not token.get_secret_value().strip():
-            raise ValueError("the token is empty; unset it to accept reports without one")
-        return token
+    def _token_as_sent(cls, token: SecretStr | None) -> SecretStr | None:
+        # The push sink applies the same rule to GUARD_TOKEN (guard_server.wire.bearer_token).
+        if token is None:
+            return None
+        return SecretStr(bearer_token(token.get_secret_value(), "the token"))
 
     @model_validator(mode="after")
     def _read_token_file(self) -> Settings:
@@ -110,25 +129,34 @@ class Settings(BaseSettings):
             return self
         if self.token is not None:
             raise ValueError("token_file: set a token or a token file, not both")
+        where = f"token file {str(self.token_file)!r}"
         try:
-            secret = self.token_file.read_text(encoding="utf-8").strip()
+            text = self.token_file.read_text(encoding="utf-8")
         except OSError as exc:
-            raise ValueError(
-                f"token_file: cannot read token file {str(self.token_file)!r}: {exc}"
-            ) from exc
-        if not secret:
-            raise ValueError(f"token_file: token file {str(self.token_file)!r} is empty")
+            raise ValueError(f"token_file: cannot read {where}: {exc}") from exc
+        except UnicodeDecodeError:  # its message would quote a byte of the token
+            raise ValueError(f"token_file: {where} is not UTF-8 text") from None
+        try:
+            secret = bearer_token(text, "the token in " + where)
+        except ValueError as exc:
+            raise ValueError(f"token_file: {exc}") from None
         self.token = SecretStr(secret)
         return self
 
     @property
     def inflight_bytes(self) -> int:
         """The most requests in flight hold: each body being read (up to MAX_BODY_BYTES and
-        the chunk that passes it), what uvicorn buffers of each body waiting for its turn, and
-        the one body being parsed with its parsed batch."""
+        the chunk that passes it), what uvicorn buffers of each body waiting for its turn, the
+        one body being parsed with its parsed batch, and each scrape being written."""
         reading = self.max_inflight_bodies * (self.max_body_bytes + _CHUNK_BYTES)
         waiting = self.max_inflight_bodies * WAITING_PER_SLOT * _CHUNK_BYTES
-        return reading + waiting + _PARSED_PER_BODY * self.max_body_bytes
+        return (reading + waiting + _PARSED_PER_BODY * self.max_body_bytes
+                + self.max_inflight_scrapes * self.scrape_bytes)
+
+    @property
+    def scrape_bytes(self) -> int:
+        """The most one scrape in flight holds, with every rank the caps admit."""
+        return self.max_ranks * _SCRAPE_BYTES_PER_RANK + _SCRAPE_PIECE_BYTES
 
     @property
     def state_bytes(self) -> int:
@@ -142,8 +170,10 @@ class Settings(BaseSettings):
             need = self.inflight_bytes + self.max_body_bytes
             raise ValueError(
                 f"max_bytes: at least {need} bytes with GUARD_SERVER_MAX_BODY_BYTES="
-                f"{self.max_body_bytes} and GUARD_SERVER_MAX_INFLIGHT_BODIES="
-                f"{self.max_inflight_bodies} (the requests in flight, and one rank's state)"
+                f"{self.max_body_bytes}, GUARD_SERVER_MAX_INFLIGHT_BODIES="
+                f"{self.max_inflight_bodies}, GUARD_SERVER_MAX_INFLIGHT_SCRAPES="
+                f"{self.max_inflight_scrapes} and GUARD_SERVER_MAX_RANKS={self.max_ranks} "
+                "(the requests in flight, and one rank's state)"
             )
         return self
 

@@ -25,12 +25,16 @@ from guard_server.rejections import Rejections, RejectReason
 from guard_server.settings import Settings
 from guard_server.wire import Event, ReportBatch, StepReport
 
-__all__ = ["RankView", "Snapshot", "Store"]
+__all__ = ["RankView", "Row", "Snapshot", "Store"]
 
 log = logging.getLogger("guard_server")
 
 # Ingest sweeps for expired ranks at most this often; scrapes and reads always sweep.
 _SWEEP_EVERY_S = 1.0
+
+
+# What a scrape writes of a rank: run_id, rank, its latest report, when it was last heard from.
+Row = tuple[str, int, StepReport, float]
 
 
 @dataclass(slots=True)
@@ -113,6 +117,27 @@ class Store:
             total, held = self._reports_total, self._budget.bytes
         ranks.sort(key=lambda v: (v.run_id, v.rank))
         return Snapshot(ranks, total, self.rejections.snapshot(), held)
+
+    def rank_keys(self) -> list[tuple[str, int]]:
+        """Every (run_id, rank) held now, sorted, expired ones swept first: the order a scrape
+        writes them in, a piece at a time (`latest`)."""
+        with self._lock:
+            self._sweep(self._clock(), force=True)
+            keys = [(rid, rank) for rid, by_rank in self._runs.items() for rank in by_rank]
+        keys.sort()
+        return keys
+
+    def latest(self, keys: Iterable[tuple[str, int]]) -> list[Row]:
+        """(run_id, rank, latest report, last seen) of each of `keys` still held now: a scrape
+        reads the state a piece at a time and so pins no report a newer one replaced."""
+        with self._lock:  # latest and last_seen of one update, not of two
+            held = [(rid, rank, self._runs.get(rid, {}).get(rank)) for rid, rank in keys]
+            return [(rid, rank, s.latest, s.last_seen) for rid, rank, s in held if s is not None]
+
+    def totals(self) -> tuple[int, int]:
+        """(reports accepted since start, estimated bytes of state held now)."""
+        with self._lock:
+            return self._reports_total, self._budget.bytes
 
     def size(self) -> tuple[int, int]:
         """(runs, ranks) held now, expired ones included until the next sweep."""

@@ -1,4 +1,5 @@
-"""Real parts for tests: a free loopback port and a real Prometheus scraping given targets.
+"""Real parts for tests: a free loopback port, a self-signed TLS certificate and a real
+Prometheus scraping given targets.
 
 Not imported by the server itself; shared by tests/server and the library's end-to-end tests:
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["Prometheus", "free_port", "prometheus_binary", "run_prometheus"]
+__all__ = ["Prometheus", "free_port", "prometheus_binary", "run_prometheus", "self_signed"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,6 +32,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def self_signed(directory: Path, name: str = "127.0.0.1") -> tuple[Path, Path]:
+    """(certificate, key) files of a fresh self-signed certificate for `name` (an IP address
+    or a DNS name), made with the openssl command (FileNotFoundError when it is absent)."""
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    kind = "IP" if name.replace(".", "").isdigit() or ":" in name else "DNS"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", f"/CN={name}", "-addext", f"subjectAltName={kind}:{name}",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
 
 
 def prometheus_binary() -> str | None:

@@ -30,6 +30,7 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "RunId",
     "StepReport",
     "VocabSizes",
+    "bearer_token",
 ]
 
 CheckName = Literal[
@@ -54,6 +55,24 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 # One attach of a guard (uuid4 hex from the library): a restart under the same run_id and rank
 # is a new attach, which the server tells apart from a late report of the old one by this id.
 ATTACH_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
+
+
+def bearer_token(value: str, source: str) -> str:
+    """The token both ends send and compare (`Authorization: Bearer <token>`): `value` without
+    surrounding whitespace (a Kubernetes Secret made with --from-file ends in a newline).
+    ValueError, naming `source` and never quoting the token, when nothing is left or a
+    character could not go in a header as it is (RFC 6750: letters, digits, punctuation)."""
+    token = value.strip()
+    if not token:
+        raise ValueError(f"{source} is empty; unset it to send and accept reports without one")
+    at = next((i for i, ch in enumerate(token) if not "!" <= ch <= "~"), None)
+    if at is not None:
+        ch = token[at]
+        kind = ("a space" if ch.isspace() else "a non-ASCII character" if not ch.isascii()
+                else "a control character")
+        raise ValueError(f"character {at + 1} of {source} is {kind}; a bearer token is letters, "
+                         "digits and ASCII punctuation only (it goes in an HTTP header as it is)")
+    return token
 
 
 def _integral(value: object) -> object:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -499,3 +500,29 @@ def test_a_fallback_loss_counts_only_when_the_model_gave_none() -> None:
         m(batch()[0])  # no targets: no loss from the model
         g.step(torch.tensor(123.0), fallback=True)
         assert g.stats["loss"] == 123.0
+
+
+def test_a_run_id_from_torchrun_with_a_trailing_newline_trains(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A TORCHELASTIC_RUN_ID read from a file: pydantic's pattern refuses the newline that
+    # re.match's `$` let through, and the first step boundary used to raise.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7\n")
+    m, sink = tiny_gpt(), MemorySink()
+    with guard.attach(m, policy=policy(), vocab_size=100) as g:
+        g.add_sink(sink)
+        for _ in range(2):
+            m(*batch())
+    assert g.run_id == "job-7" and [r.step for r in sink.reports] == [1, 2]
+
+
+def test_a_run_id_from_torchrun_that_is_no_run_id_is_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job 7")
+    with caplog.at_level(logging.WARNING, logger="guard"), guard.attach(
+            tiny_gpt(), policy=policy(), vocab_size=100) as g:
+        pass
+    assert g.run_id != "job 7"
+    assert any("TORCHELASTIC_RUN_ID 'job 7' is no run_id" in r.getMessage()
+               for r in caplog.records)

@@ -89,6 +89,9 @@ def test_empty_yaml_is_the_defaults(tmp_path: Path) -> None:
         ("cadence: {read_every: two}\n", "cadence.read_every"),
         ("export: {serve: 'localhost'}\n", "export.serve: expected host:port"),
         ("export: {push: 'guard-server:9400'}\n", "export.push: expected an http(s) URL"),
+        # re.match's `$` took a trailing newline
+        ('export: {push: "http://guard-server:9400\\n"}\n', "export.push: expected an http(s)"),
+        ('export: {serve: "127.0.0.1:9464\\n"}\n', "export.serve: expected host:port"),
         ("run_id: 'has space'\n", "run_id"),
         ("- a\n- b\n", "expected a mapping"),
         ("checks: [\n", "not valid YAML"),
@@ -143,8 +146,8 @@ def test_yaml_off_is_off_however_yaml_reads_it(tmp_path: Path) -> None:
                                              "finite number"),
     ("checks: {loss_spike: {min_delta: .nan}}", "checks.loss_spike.min_delta: Input should be "
                                                 "a finite number"),
-    ("vocab: {real_size: true}", "vocab: real_size: True is a boolean; expected a number"),
-    ("cadence: {read_every: false}", "cadence: read_every: False is a boolean; expected a "
+    ("vocab: {real_size: true}", "vocab.real_size: True is a boolean; expected a number"),
+    ("cadence: {read_every: false}", "cadence.read_every: False is a boolean; expected a "
                                      "number"),
     ("checks: {padding_mass: {action: on}}", "checks.padding_mass.action: True is not allowed"),
 ])
@@ -156,3 +159,71 @@ def test_non_finite_and_boolean_numbers_are_refused_by_key(tmp_path: Path, text:
         load_policy(p)
     assert any(x.startswith(problem) for x in e.value.problems), e.value.problems
     assert str(p) in str(e.value)
+
+
+def _alias_bomb(levels: int) -> str:
+    """A YAML "billion laughs": 10**levels strings from a few hundred bytes, under a typed key."""
+    lines = ['l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{n}: &l{n} [{','.join([f'*l{n - 1}'] * 10)}]" for n in range(1, levels)]
+    return "\n".join([*lines, f"cadence: {{read_every: *l{levels - 1}}}"]) + "\n"
+
+
+def test_an_alias_bomb_is_a_short_error(tmp_path: Path) -> None:
+    # 7 levels wrote a 39 MB message (9 would have been ~3.5 GB); the error quotes what it
+    # got within bounds and still names the file and the key.
+    p = tmp_path / "bomb.yaml"
+    p.write_text(_alias_bomb(7))
+    assert p.stat().st_size < 500
+    with pytest.raises(PolicyError) as e:
+        load_policy(p)
+    assert len(str(e.value)) < 2000 and str(p) in str(e.value)
+    assert any(x.startswith("cadence.read_every: Input should be a valid integer")
+               for x in e.value.problems), e.value.problems
+
+
+@pytest.mark.parametrize(("name", "content", "problem"), [
+    ("latin1.yaml", "run_id: caf\xe9\n".encode("latin-1"),
+     "not UTF-8 text: byte 0xe9 at offset 11 is not UTF-8; save the file as UTF-8"),
+    ("utf16.yaml", "run_id: r1\n".encode("utf-16"),
+     "not UTF-8 text: it is UTF-16 (it starts with a UTF-16 byte-order mark)"),
+    ("digits.yaml", b"cadence: {read_every: " + b"1" * 5000 + b"}\n", "not valid YAML: Exceeds"),
+    ("digits.json", b'{"cadence": {"read_every": ' + b"1" * 5000 + b"}}", "not valid JSON: "),
+    ("digits.toml", b"[cadence]\nread_every = " + b"1" * 5000 + b"\n", "not valid TOML: "),
+    ("deep.json", b"[" * 50_000 + b"]" * 50_000, "not a policy: JSON nested too deeply"),
+    ("deep.yaml", b"[" * 50_000 + b"]" * 50_000, "not a policy: YAML nested too deeply"),
+    ("deep.toml", b"a = " + b"[" * 50_000 + b"]" * 50_000, "not a policy: TOML nested too"),
+])
+def test_unreadable_files_are_policy_errors_that_name_the_file(
+    tmp_path: Path, name: str, content: bytes, problem: str
+) -> None:
+    # These raised a bare UnicodeDecodeError, ValueError or RecursionError, naming no file.
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(PolicyError) as e:
+        load_policy(p)
+    assert e.value.source == str(p) and len(str(e.value)) < 1000
+    assert e.value.problems[0].startswith(problem), e.value.problems
+
+
+def test_a_utf8_byte_order_mark_is_read(tmp_path: Path) -> None:
+    p = tmp_path / "bom.json"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps({"run_id": "r1"}).encode())
+    assert load_policy(p).run_id == "r1"
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ('checks: {padding_mass: {threshold: "0.5"}}',
+     "checks.padding_mass.threshold: '0.5' is a string; expected a number"),
+    ('cadence: {read_every: "12"}', "cadence.read_every: '12' is a string; expected a number"),
+    ('checks: {padding_mass: {exact: "yes"}}',
+     "checks.padding_mass.exact: 'yes' is a string; expected true or false"),
+    ("checks: {nonfinite: {localise: 1}}",
+     "checks.nonfinite.localise: 1 is an integer; expected true or false"),
+])
+def test_strings_are_no_numbers_and_no_booleans(tmp_path: Path, text: str, problem: str) -> None:
+    # pydantic's lax mode took "12" as 12 and "yes" (or 1) as true.
+    p = tmp_path / "guard.yaml"
+    p.write_text(text)
+    with pytest.raises(PolicyError) as e:
+        load_policy(p)
+    assert problem in e.value.problems, e.value.problems

@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +22,13 @@ import httpx
 import pytest
 
 from guard_server.testing import free_port
+from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
 
-BUDGET = 32 << 20
+# 29 MiB of it kept for bodies in flight, 7 MiB for one scrape (the default caps), 4 MiB of state.
+BUDGET = 40 << 20
+ONE_SCRAPE = {"GUARD_SERVER_MAX_INFLIGHT_SCRAPES": "1"}
 JSON = {"Content-Type": "application/json"}
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
 
 
 def _rss_bytes(pid: int) -> int:
@@ -35,13 +40,13 @@ def _rss_bytes(pid: int) -> int:
 
 @contextlib.contextmanager
 def _server(
-    tmp_path: Path, env: dict[str, str]
+    tmp_path: Path, env: dict[str, str], budget: int = BUDGET
 ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    """A real `python -m guard_server` with a 32 MiB budget and `env` on top; its log file."""
+    """A real `python -m guard_server` with a byte budget and `env` on top; its log file."""
     port = free_port()
     log = tmp_path / "server.log"
     env = os.environ | {
-        "GUARD_SERVER_MAX_BYTES": str(BUDGET),
+        "GUARD_SERVER_MAX_BYTES": str(budget),
         "GUARD_SERVER_LOG_LEVEL": "info",
         **env,
     }
@@ -69,7 +74,7 @@ def _server(
 
 @pytest.fixture
 def server_process(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    env = {"GUARD_SERVER_READ_TIMEOUT_S": "1", "GUARD_SERVER_MAX_CONNECTIONS": "64"}
+    env = {"GUARD_SERVER_READ_TIMEOUT_S": "1", "GUARD_SERVER_MAX_CONNECTIONS": "64", **ONE_SCRAPE}
     with _server(tmp_path, env) as running:
         yield running
 
@@ -148,11 +153,12 @@ def test_the_battery_leaves_the_server_whole(
 
 def test_bodies_in_flight_stay_within_the_budget(tmp_path: Path, make_batch: Any) -> None:
     # 150 clients send their heads, then all but the last byte of a 1 MiB body each: were
-    # every body read, the server would hold ~150 MiB under its 32 MiB budget.
+    # every body read, the server would hold ~150 MiB under its 40 MiB budget.
     size, clients = 1 << 20, 150
     head = (b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % size)
-    with _server(tmp_path, {"GUARD_SERVER_READ_TIMEOUT_S": "3"}) as (url, process, log):
+    env = {"GUARD_SERVER_READ_TIMEOUT_S": "3", **ONE_SCRAPE}
+    with _server(tmp_path, env) as (url, process, log):
         host, port = url.removeprefix("http://").split(":")
         rss_before = _rss_bytes(process.pid)
         with contextlib.ExitStack() as open_sockets:
@@ -168,7 +174,7 @@ def test_bodies_in_flight_stay_within_the_budget(tmp_path: Path, make_batch: Any
                 peak = max(peak, _rss_bytes(process.pid))
             time.sleep(0.5)
             grown = max(peak, _rss_bytes(process.pid)) - rss_before
-            assert grown <= BUDGET, f"resident memory grew {grown >> 20} MiB, budget 32 MiB"
+            assert grown <= BUDGET, f"resident memory grew {grown >> 20} MiB, budget 40 MiB"
             busy = 0
             for sock in socks:
                 sock.settimeout(0.1)
@@ -181,5 +187,44 @@ def test_bodies_in_flight_stay_within_the_budget(tmp_path: Path, make_batch: Any
         _promtool_clean(metrics)
         body = json.dumps(make_batch("after"))
         assert httpx.post(f"{url}/v1/reports", content=body, headers=JSON).status_code == 202
+    text = log.read_text()
+    assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
+
+
+def test_concurrent_scrapes_at_the_caps_stay_within_the_budget(
+    tmp_path: Path, make_batch: Any
+) -> None:
+    # The costliest ranks until the series cap says no, then 12 scrapes at once: built whole
+    # in the thread pool, each held ~30x its text (8 at once grew a server by ~200 MiB under
+    # an 8 MiB budget). The defaults of the scrape settings, so that the old tree runs it too.
+    budget, every = 64 << 20, {check: dict.fromkeys(ACTIONS, MAX_COUNT) for check in CHECKS}
+    env = {"GUARD_SERVER_MAX_RANKS": "1024", "GUARD_SERVER_MAX_SERIES": str(500 * 56)}
+    with _server(tmp_path, env, budget) as (url, process, log):
+        rss_before = _rss_bytes(process.pid)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            for rank in range(600):
+                batch = make_batch("r".ljust(128, "x"), rank, steps=(MAX_COUNT,),
+                                   violations=every, halted="nonfinite",
+                                   skipped_steps=MAX_COUNT, dropped_reports=MAX_COUNT)
+                if client.post("/v1/reports", json=batch).status_code == 429:
+                    break
+        assert rank == 500
+        peak, bodies, statuses = [0], [], []
+
+        def scrape() -> None:
+            reply = httpx.get(f"{url}/metrics", headers={"Accept": OPENMETRICS}, timeout=120)
+            statuses.append(reply.status_code)
+            bodies.append(reply.content)
+
+        scrapers = [threading.Thread(target=scrape) for _ in range(12)]
+        for thread in scrapers:
+            thread.start()
+        while any(thread.is_alive() for thread in scrapers):
+            peak[0] = max(peak[0], _rss_bytes(process.pid))
+            time.sleep(0.005)
+        _promtool_clean(httpx.get(f"{url}/metrics", timeout=120).text)  # the text format
+    grown = peak[0] - rss_before
+    assert statuses == [200] * 12 and len(set(bodies)) == 1 and len(bodies[0]) > 6_000_000
+    assert grown <= budget, f"resident memory grew {grown >> 20} MiB, budget {budget >> 20} MiB"
     text = log.read_text()
     assert "Traceback" not in text and "ERROR" not in text, text[-3000:]

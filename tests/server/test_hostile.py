@@ -25,6 +25,7 @@ from guard_server import CapacityError, EmbeddedServer, ReportBatch, Settings
 from guard_server.responses import RunDetail
 from guard_server.routes.runs import MAX_PAGE_BYTES
 from guard_server.settings import WAITING_PER_SLOT
+from guard_server.testing import self_signed
 from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
 from tests.server.helpers import split_ingest_counters
 
@@ -192,21 +193,10 @@ def test_run_state_is_paged(server: EmbeddedServer, make_batch: Any) -> None:
     assert too_big.status_code == 422
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=60,
-    )
-    return cert, key
-
-
 def test_tls_is_passed_to_uvicorn(tmp_path: Path, make_batch: Any) -> None:
     if subprocess.run(["which", "openssl"], capture_output=True).returncode != 0:
         pytest.skip("openssl not installed: no certificate to serve")
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     settings = Settings(port=0, ssl_certfile=cert, ssl_keyfile=key)
     with EmbeddedServer(port=0, settings=settings) as tls:
         https = f"https://127.0.0.1:{tls.port}"

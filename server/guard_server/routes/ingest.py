@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect
 from guard_server.auth import authorized
 from guard_server.deps import BodySlotsDep, SettingsDep, StoreDep
 from guard_server.errors import BodyTooLargeError, BusyError, CapacityError, StepJumpError
+from guard_server.framing import ambiguous_framing
 from guard_server.limits import read_body
 from guard_server.responses import Accepted, Problem, ValidationProblem
 from guard_server.wire import ReportBatch
@@ -61,6 +62,7 @@ def _is_json(content_type: str | None) -> bool:
     response_model=Accepted,
     summary="Push a batch of step reports from one rank of one run",
     responses={
+        400: {"model": Problem, "description": "both Content-Length and Transfer-Encoding"},
         401: {"model": Problem, "description": "missing or wrong bearer token"},
         408: {"model": Problem, "description": "the body did not arrive in time"},
         413: {"model": Problem, "description": "body over GUARD_SERVER_MAX_BODY_BYTES"},
@@ -75,10 +77,16 @@ def _is_json(content_type: str | None) -> bool:
 async def post_reports(
     request: Request, settings: SettingsDep, store: StoreDep, slots: BodySlotsDep
 ) -> Accepted:
-    """Store the batch and answer 202, or reject it whole with 401, 408, 409, 413, 415, 422
-    or 429."""
+    """Store the batch and answer 202, or reject it whole with 400, 401, 408, 409, 413, 415,
+    422 or 429."""
     # The body is read by hand rather than by a pydantic parameter: the size limit must hold
     # on the streamed bytes, and parsing JSON straight into the model is ~2x faster.
+    if ambiguous_framing(request.scope["headers"]):
+        # Which body did the sender (or a proxy in front) mean? Store neither; the connection
+        # closes after this answer (guard_server.framing).
+        store.rejections.count("bad_framing")
+        raise HTTPException(400, "both Content-Length and Transfer-Encoding: ambiguous framing "
+                            "(RFC 9112 section 6.3); nothing was stored. Send one of them.")
     if not authorized(request.headers.get("authorization"), settings.token):
         store.rejections.count("unauthorized")
         raise HTTPException(

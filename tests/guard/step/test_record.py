@@ -160,3 +160,21 @@ def sent_to_last(r: Record) -> MemorySink:
     sink = r.sinks[-1]
     assert isinstance(sink, MemorySink)
     return sink
+
+
+def test_a_report_that_cannot_be_built_never_stops_training(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A run_id the wire refuses (what a TORCHELASTIC_RUN_ID read from a file held before it was
+    # stripped): no batch can be built. Logged once, counted, said again at detach.
+    r = Record("job-7\n", 0, VOCAB, {})
+    r.sinks.append(MemorySink())
+    with caplog.at_level(logging.ERROR, logger="guard"):
+        for step in (1, 2, 3):
+            r.update(values(), step)
+            r.emit()
+        r.summarise()
+    assert sent(r).reports == [] and r.unbuilt == 3
+    first, summary = (rec.getMessage() for rec in caplog.records)
+    assert "step 1 cannot be built" in first and "run_id" in first and "job-7" not in first
+    assert "3 reports could not be built" in summary
