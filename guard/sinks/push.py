@@ -125,6 +125,7 @@ class PushSink:
         self._closing = False
         self._deadline = float("inf")  # close(): give up retrying after this
         self._in_flight = 0  # reports taken from the queue and not yet sent or dropped
+        self._failing = False  # since the last request that went through
         self.dropped = 0
         self.sent = 0
         self._thread = threading.Thread(target=self._run, name="guard-push", daemon=True)
@@ -227,6 +228,7 @@ class PushSink:
                 r = self._post(body)
                 if r.status_code < 300:
                     self._settle(count, sent=True)
+                    self._failing = False
                     return
                 if r.status_code not in _RETRY_STATUS:
                     self._settle(count, sent=False)
@@ -236,7 +238,11 @@ class PushSink:
                 wait = max(delay, retry_after(r) or 0.0)
             except (httpx.HTTPError, TimeoutError) as e:
                 why = (f"no complete answer within {self._deadline_s:g} s"
-                       if isinstance(e, TimeoutError) else type(e).__name__)
+                       if isinstance(e, TimeoutError) else _cause(e))
+            if not self._failing:  # said at the first failure, not only by a count at exit
+                self._failing = True
+                log.warning("guard: cannot push to %s (%s); reports wait in the queue and are "
+                            "retried with backoff", self.where, why)
             with self._cond:
                 resume = time.monotonic() + wait
                 if not self._closing:
@@ -254,6 +260,16 @@ class PushSink:
             if (left := resume - time.monotonic()) > 0:  # closing, with time for one more try
                 time.sleep(left)
             delay = min(delay * 2, self._backoff_s[1])
+
+
+def _cause(exc: BaseException) -> str:
+    """`exc` and the OS error under it (httpx keeps "Connection refused" causes down)."""
+    inner: BaseException | None = exc
+    while inner is not None and not (isinstance(inner, OSError) and inner.errno):
+        inner = inner.__cause__ or inner.__context__
+    code = inner.errno if isinstance(inner, OSError) else None  # < 0: a getaddrinfo error
+    os_error = os.strerror(code) if code and code > 0 else getattr(inner, "strerror", None)
+    return f"{type(exc).__name__}: {exc}" + (f" ({os_error})" if os_error else "")
 
 
 def _close_at_exit(ref: weakref.ref[PushSink]) -> None:
