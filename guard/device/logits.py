@@ -4,6 +4,7 @@ ops only; the sample moves with the step, never with the host's RNG."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from guard.device.flags import Flags
 from guard.device.ops import (
     chunk_positions,
     nonfinite_count,
+    one_thread,
     padding_mass_parts,
     reduction_dtype,
     sample_positions,
@@ -143,8 +145,11 @@ class Logits:
             return
         if c.padding_mass and real < c.columns:
             per_chunk = chunk_positions(c.columns, positions.device, forward)
-            mass, lse_real = padding_mass_parts(positions, real, per_chunk=per_chunk,
-                                                scratch=self._scratch(positions, per_chunk))
+            # A sample is a sixteenth of the forward: one thread does it without waiting on
+            # others (ops.one_thread); every position (exact) is worth the threads.
+            with nullcontext() if c.exact else one_thread(positions.device):
+                mass, lse_real = padding_mass_parts(positions, real, per_chunk=per_chunk,
+                                                    scratch=self._scratch(positions, per_chunk))
             # A NaN mass means NaN on the padding columns: count it as all the mass.
             mass = torch.nan_to_num(mass, nan=1.0)  # (n,)
             f.put(padding_mass.SUM, mass.sum())

@@ -181,3 +181,40 @@ def test_a_sixteenth_of_a_forwards_positions_is_sampled_and_fits_one_chunk() -> 
         assert chunk_positions(rows, cpu, n) >= sample_size(n, 256)
         # Exact mode: chunks of a sixteenth of the forward (or 8 MB, where that is more).
         assert chunk_positions(rows, cpu, n) == max(n // SAMPLE_SHARE, (1 << 21) // rows, 1)
+
+
+def test_the_guards_ops_run_in_one_thread_on_the_cpu_and_the_count_comes_back() -> None:
+    from guard.device.ops import one_thread
+
+    cpu, before = torch.device("cpu"), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread(cpu):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ZeroDivisionError), one_thread(cpu):
+            1 / 0  # noqa: B018 - an error inside a hook
+        assert torch.get_num_threads() == 2
+        with one_thread(torch.device("meta")):  # not the CPU: left alone
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_guarded_step_leaves_the_thread_count_as_it_found_it() -> None:
+    import guard
+    from tests.conftest import batch, policy, tiny_gpt
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        m = tiny_gpt(garbage=0.3)
+        seen: list[int] = []
+        with guard.attach(m, vocab_size=100, policy=policy(padding_mass={"action": "mask"})):
+            # After the guard's own hook on the head: the model's next op runs as configured.
+            m.lm_head.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+            _, loss = m(*batch())
+            loss.backward()
+        assert seen == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
