@@ -201,6 +201,8 @@ def sweep(args: argparse.Namespace, names: list[str]) -> str:
         f"{n}: wall-time ratio | {n}: CPU-time ratio" for n in guarded) + " |"
     lines = [head, "|" + "---|" * (3 + 2 * len(guarded))]
     for what, real, rows in SWEEP:
+        if args.only and str(real) not in args.only.split(","):
+            continue
         arms = run_interleaved(args, names, real, rows, HEAD_DOMINATED)
         base = arms["baseline"]
         cells = " | ".join(f"**{paired_ratio(base.times, arms[n].times):.3f}x** | "
@@ -222,6 +224,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--only", default=None, metavar="REAL,...",
+                   help="the sweep's sizes with these real-id counts only (e.g. 32000,151665)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's); 1 makes the CPU-time "
                    "ratio the work's alone, without threads waiting for each other")
