@@ -7,10 +7,16 @@ median step time (forward, backward, AdamW) of each arm over the baseline's medi
     python bench/overhead.py                      # CPU default, a few minutes on 2 cores
     python bench/overhead.py --device cuda --n-embd 768 --n-layer 12 --batch 8 --block 1024
     python bench/overhead.py --write docs/benchmarks.md
+    python bench/overhead.py --sweep --write docs/benchmarks.md   # the vocabulary sweep
 
 Arms: default policy, mask, all checks warn, exact padding mass, and the anchors
 torch.autograd.detect_anomaly() and transformers' DebugUnderflowOverflow. Peak memory with and
 without the mask is measured in child processes (one arm each).
+
+`--sweep`: the worst case for the guard's logits work, a head-dominated model (2 layers, d 64,
+tied, so the head and the loss over the vocabulary are most of the step) at five vocabulary
+sizes, baseline against the given arms (default: the default policy), each size in one
+interleaved run.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import contextlib
 import copy
 import json
 import logging
+import os
 import platform
 import statistics
 import subprocess
@@ -36,6 +43,16 @@ import guard
 from guard.demo.model import GPT, GPTConfig
 
 REAL, ROWS = 50257, 50304  # GPT-2's tokenizer, padded to a multiple of 64
+# (what, real ids, rows). Heads without padding rows of their own get 64, so every size
+# measures the padding mass: the guard's costliest case.
+SWEEP = [
+    ("Llama 2 + 64 padding rows", 32000, 32064),
+    ("GPT-2", 50257, 50304),
+    ("Llama 3 + 64 padding rows", 128256, 128320),
+    ("Qwen2 (151,665 ids in 151,936 rows)", 151665, 151936),
+    ("Gemma + 64 padding rows", 256000, 256064),
+]
+HEAD_DOMINATED = {"n_layer": 2, "n_embd": 64, "n_head": 2}  # the sweep's model
 QUIET = {"export": {"serve": None}}
 ARMS: dict[str, dict[str, Any] | str | None] = {
     "baseline": None,
@@ -58,16 +75,17 @@ def _policy(arm: dict[str, Any]) -> dict[str, Any]:
 class Arm:
     """One model copy, its optimizer and whatever wraps its step."""
 
-    def __init__(self, name: str, base: GPT, device: str) -> None:
+    def __init__(self, name: str, base: GPT, device: str, real: int = REAL) -> None:
         self.name = name
         self.model = copy.deepcopy(base).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, fused=False)
         self.times: list[float] = []
+        self.cpu: list[float] = []  # process CPU seconds: what a busy machine cannot inflate
         self.guard: guard.Guard | None = None
         self.debug: Any = None
         spec = ARMS[name]
         if isinstance(spec, dict):
-            self.guard = guard.attach(self.model, policy=_policy(spec), vocab_size=REAL,
+            self.guard = guard.attach(self.model, policy=_policy(spec), vocab_size=real,
                                       optimizer=self.opt)
         elif spec == "debug_uo":
             from transformers.debug_utils import DebugUnderflowOverflow
@@ -81,7 +99,7 @@ class Arm:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None]) -> None:
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with self.context():
             _, loss = self.model(x, y)
             loss.backward()
@@ -89,24 +107,30 @@ class Arm:
         self.opt.zero_grad(set_to_none=True)
         sync()
         self.times.append(time.perf_counter() - t0)
+        self.cpu.append(time.process_time() - c0)
 
 
 def batches(
-    n: int, b: int, t: int, device: str, seed: int = 0
+    n: int, b: int, t: int, device: str, seed: int = 0, real: int = REAL
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        x = torch.randint(0, REAL, (b, t + 1), generator=g).to(device)
+        x = torch.randint(0, real, (b, t + 1), generator=g).to(device)
         yield x[:, :-1], x[:, 1:]
 
 
-def run_interleaved(args: argparse.Namespace, names: list[str]) -> dict[str, float]:
+def run_interleaved(args: argparse.Namespace, names: list[str], real: int = REAL,
+                    rows: int = ROWS, shape: dict[str, int] | None = None) -> dict[str, Arm]:
+    """The arms after their timed steps; `shape` (n_layer, n_embd, n_head) overrides the
+    args'."""
     torch.manual_seed(0)
-    base = GPT(GPTConfig(vocab_size=ROWS, block_size=args.block, n_layer=args.n_layer,
-                         n_head=args.n_head, n_embd=args.n_embd))
-    arms = [Arm(n, base, args.device) for n in names]
+    dims = shape or {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head}
+    base = GPT(GPTConfig(vocab_size=rows, block_size=args.block, n_layer=dims["n_layer"],
+                         n_embd=dims["n_embd"], n_head=dims["n_head"]))
+    arms = [Arm(n, base, args.device, real) for n in names]
+    del base
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    data = batches(args.warmup + args.steps, args.batch, args.block, args.device)
+    data = batches(args.warmup + args.steps, args.batch, args.block, args.device, real=real)
     for i, (x, y) in enumerate(data):
         order = arms if i % 2 == 0 else arms[::-1]  # alternate who goes first
         for arm in order:
@@ -114,10 +138,18 @@ def run_interleaved(args: argparse.Namespace, names: list[str]) -> dict[str, flo
         if i == args.warmup - 1:
             for arm in arms:
                 arm.times.clear()
+                arm.cpu.clear()
     for arm in arms:
         if arm.guard is not None:
             arm.guard.detach()
-    return {a.name: statistics.median(a.times) for a in arms}
+    return {a.name: a for a in arms}
+
+
+def paired_ratio(base: list[float], arm: list[float]) -> float:
+    """1 + the median of the per-round differences over the baseline's median step: a round's
+    steps run back to back, so a machine that slows down for a while slows both."""
+    added = statistics.median(a - b for a, b in zip(arm, base, strict=True))
+    return 1.0 + added / statistics.median(base)
 
 
 def peak_memory(args: argparse.Namespace, name: str) -> float:
@@ -155,12 +187,30 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    import os
-
     desc = f"{cpu}, {os.cpu_count()} cores"
     if torch.cuda.is_available():
         desc += f", GPU {torch.cuda.get_device_name(0)}"
     return f"{desc}; Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def sweep(args: argparse.Namespace, names: list[str]) -> str:
+    """The vocabulary sweep's section: per size, the baseline's median step and each arm's
+    ratio, of wall time and of process CPU time (`paired_ratio`)."""
+    guarded = [n for n in names if n != "baseline"]
+    head = "| vocabulary | real / rows | baseline step (ms) | " + " | ".join(
+        f"{n}: wall-time ratio | {n}: CPU-time ratio" for n in guarded) + " |"
+    lines = [head, "|" + "---|" * (3 + 2 * len(guarded))]
+    for what, real, rows in SWEEP:
+        if args.only and str(real) not in args.only.split(","):
+            continue
+        arms = run_interleaved(args, names, real, rows, HEAD_DOMINATED)
+        base = arms["baseline"]
+        cells = " | ".join(f"**{paired_ratio(base.times, arms[n].times):.3f}x** | "
+                           f"{paired_ratio(base.cpu, arms[n].cpu):.3f}x" for n in guarded)
+        step = statistics.median(base.times) * 1e3
+        lines.append(f"| {what} | {real:,} / {rows:,} | {step:.1f} | {cells} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -174,23 +224,51 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--only", default=None, metavar="REAL,...",
+                   help="the sweep's sizes with these real-id counts only (e.g. 32000,151665)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: torch's); 1 makes the CPU-time "
+                   "ratio the work's alone, without threads waiting for each other")
+    p.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--no-memory", action="store_true")
-    p.add_argument("--write", type=Path, help="replace the Overhead section of this markdown file")
+    p.add_argument("--sweep", action="store_true",
+                   help="the vocabulary sweep on a head-dominated model (arms: --arms, "
+                   "default: baseline,default)")
+    p.add_argument("--write", type=Path, help="replace the Overhead (--sweep: the Vocabulary "
+                   "size) section of this markdown file")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     # Arms with warn/mask log each violation; the figures are the output here.
     logging.getLogger("guard").setLevel(logging.ERROR)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args)
         return
-    names = args.arms.split(",")
+    names = args.arms.split(",") if args.arms else (
+        ["baseline", "default"] if args.sweep else list(ARMS))
     if "baseline" not in names:
         names.insert(0, "baseline")
     unknown = set(names) - set(ARMS)
     if unknown:
         p.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
-    med = run_interleaved(args, names)
+    cmd = "python bench/overhead.py " + " ".join(sys.argv[1:])
+    load_before = os.getloadavg()[0]
+    if args.sweep:
+        table = sweep(args, names)
+        load = f"1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
+        text = (f"Machine: {machine()}; {load}; {torch.get_num_threads()} threads.\n\n"
+                f"Command: `{cmd.strip()}` (model: {HEAD_DOMINATED['n_layer']} layers, "
+                f"d={HEAD_DOMINATED['n_embd']}, tied, batch {args.batch} x {args.block} tokens; "
+                f"{args.steps} timed steps per arm and size after {args.warmup} warm-up, "
+                "interleaved; ratios: 1 + the median per-round difference over the baseline's "
+                "median step, of wall time and of process CPU time)."
+                f"\n\n{table}\n")
+        print(text)
+        if args.write:
+            write_section(args.write, f"Vocabulary size ({args.device})", text)
+        return
+    med = {n: statistics.median(a.times) for n, a in run_interleaved(args, names).items()}
     rows = [(n, med[n] * 1e3, med[n] / med["baseline"]) for n in names]
     added = {n: med[n] - med["baseline"] for n in names}
     lines = ["| arm | median step (ms) | ratio vs baseline |", "|---|---|---|"]
@@ -211,11 +289,11 @@ def main() -> None:
         lines.append(f"Peak memory ({'CUDA allocator' if args.device.startswith('cuda') else 'RSS'}"
                      f", child process per arm): baseline {base_mem:.0f} MiB, mask "
                      f"{mask_mem:.0f} MiB: {mask_mem / base_mem:.3f}x.")
-    cmd = "python bench/overhead.py " + " ".join(sys.argv[1:])
-    header = (f"Machine: {machine()}.\n\nCommand: `{cmd.strip()}` (model: {args.n_layer} layers, "
-              f"d={args.n_embd}, batch {args.batch} x {args.block} tokens, vocab {REAL} real / "
-              f"{ROWS} rows; {args.steps} timed steps per arm after {args.warmup} warm-up, "
-              "interleaved).\n")
+    load = f"1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after"
+    header = (f"Machine: {machine()}; {load}.\n\nCommand: `{cmd.strip()}` (model: "
+              f"{args.n_layer} layers, d={args.n_embd}, batch {args.batch} x {args.block} "
+              f"tokens, vocab {REAL} real / {ROWS} rows; {args.steps} timed steps per arm "
+              f"after {args.warmup} warm-up, interleaved).\n")
     text = header + "\n" + "\n".join(lines) + "\n"
     print(text)
     if args.write:

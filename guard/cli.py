@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
@@ -14,6 +15,8 @@ from typing import TypeAlias
 __all__ = ["main"]
 
 Command = Callable[[argparse.Namespace], int]
+# What a shell reports for a process killed by SIGPIPE (128 + 13): `guard ... | head`.
+SIGPIPE_STATUS = 141
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
@@ -62,7 +65,14 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _serve(sub: Subparsers) -> None:
-    p = sub.add_parser("serve", help="run the guard server (POST /v1/reports, GET /metrics)")
+    p = sub.add_parser("serve", help="run the guard server (POST /v1/reports, GET /metrics)",
+                       description="Collect the reports that trainers push (export.push) and "
+                       "serve them to Prometheus. Other settings come from GUARD_SERVER_* "
+                       "variables, the token from GUARD_TOKEN (docs/server.md). Exit status: 0 "
+                       "stopped (Ctrl-C, SIGTERM), 2 an invalid option or setting, 3 the "
+                       "address cannot be listened on now (a port in use, an address of "
+                       "another machine, a privileged port); each error is one line naming "
+                       "the option and the fix.")
     p.add_argument("--host", default=None, help="default GUARD_SERVER_HOST or 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default GUARD_SERVER_PORT or 9400")
     p.set_defaults(run=_run_serve)
@@ -70,7 +80,7 @@ def _serve(sub: Subparsers) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     try:
-        from guard_server import Settings, serve
+        from guard_server import AddressError, Settings, serve
     except ImportError as e:
         print(f"guard serve needs the serve extra (pip install 'logitguard[serve]'): {e}",
               file=sys.stderr)
@@ -80,7 +90,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:  # SettingsError names the GUARD_SERVER_* variable
         print(f"guard serve: {e}", file=sys.stderr)
         return 2
-    serve(args.host, args.port, settings=settings)
+    try:
+        serve(args.host, args.port, settings=settings)
+    except AddressError as e:
+        print(f"guard serve: {e}", file=sys.stderr)
+        return 2 if e.invalid else 3
     return 0
 
 
@@ -218,7 +232,10 @@ SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_demo, _serve, _audit, _targe
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="guard", description="logitguard: vocab guardrails "
-                                     "for language-model training")
+                                     "for language-model training", epilog="A command whose "
+                                     "output is closed early (guard audit --json DIR | head) "
+                                     f"ends quietly with status {SIGPIPE_STATUS}, as one "
+                                     "killed by SIGPIPE.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,7 +247,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("guard").setLevel(logging.INFO)  # e.g. the /metrics URL
     run: Command = args.run
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # The reader went away (`guard audit --json DIR | head`): end quietly, as a process
+        # killed by SIGPIPE does. The interpreter's last flush of stdout would raise again, so
+        # stdout is pointed at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_STATUS
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ ops only; the sample moves with the step, never with the host's RNG."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +16,12 @@ from guard.device.flags import Flags
 from guard.device.ops import (
     chunk_positions,
     nonfinite_count,
+    one_thread,
     padding_mass_parts,
+    reduction_dtype,
     sample_positions,
     sample_positions_at,
+    sample_size,
 )
 from guard.policy import Policy
 from guard.vocab.resolve import Sizes
@@ -64,6 +68,7 @@ class Logits:
         self._step = 0
         # The sampling offset as a device tensor too, for compiled forwards (`_sample`).
         self._offset = torch.zeros((), dtype=torch.int64)
+        self._buffer: torch.Tensor | None = None  # `_scratch`
 
     def begin(self, step: int) -> None:
         """A new step starts: move the sampling offset (a device write, never a read)."""
@@ -73,7 +78,8 @@ class Logits:
     def measure(self, logits: torch.Tensor) -> None:
         c = self.cfg
         flat = logits.reshape(-1, c.columns)  # (tokens, columns); a view for contiguous logits
-        self._reduce(self._sample(flat), masked=c.mask)  # the mask goes on after the measure
+        # The mask goes on after the measure.
+        self._reduce(self._sample(flat), masked=c.mask, forward=flat.shape[0])
         if c.nonfinite and not c.exact and logits.dtype == torch.float16:
             # float16 logits can overflow at single (position, column) pairs the sample misses;
             # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
@@ -98,49 +104,70 @@ class Logits:
         if not masked:
             f.put(padding_mass.FUSED, 1.0)
         with torch.no_grad():
-            positions = self._sample(hidden.detach().reshape(-1, hidden.shape[-1]))  # (n, d)
+            states = hidden.detach().reshape(-1, hidden.shape[-1])  # (tokens, d)
+            positions = self._sample(states)  # (n, d)
             if self.cfg.nonfinite:
                 f.put(nonfinite.HIDDEN, nonfinite_count(positions))
             logits = torch.nn.functional.linear(positions.to(weight.dtype), weight,
                                                 bias if isinstance(bias, torch.Tensor) else None)
-            self._reduce(logits, masked=masked)  # (n, columns): already a sample
+            # (n, columns): already a sample; the loss the kernel computes from the same rows
+            # is masked only where it was handed the real rows.
+            self._reduce(logits, masked=masked, forward=states.shape[0])
 
     def _sample(self, flat: torch.Tensor) -> torch.Tensor:
+        """(k, ...) of (tokens, ...): every position with `exact`, else `sample_size` of them,
+        strided, the offset moving with the step."""
         c = self.cfg
         if c.exact:
             return flat
+        k = sample_size(flat.shape[0], c.sample_tokens)
         if compiling():
             # The step as a Python int would be a constant of the graph: a recompile per step.
             if self._offset.device != flat.device:
                 self._offset = self._offset.to(flat.device)
-            return sample_positions_at(flat, c.sample_tokens, self._offset)  # the same ones
-        return sample_positions(flat, c.sample_tokens, self._step)
+            return sample_positions_at(flat, k, self._offset)  # the same ones
+        return sample_positions(flat, k, self._step)
 
-    def _reduce(self, positions: torch.Tensor, *, masked: bool) -> None:
-        """Padding mass and non-finite counts of (n, columns) sampled logits, in chunks.
-        `masked`: the loss sees these logits with the padding masked (no padding mass)."""
+    def _scratch(self, positions: torch.Tensor, per_chunk: int) -> torch.Tensor | None:
+        """The buffer each chunk's exp(x - max) is formed in, kept from forward to forward: on
+        the CPU only (ops.CPU_CHUNK_ELEMENTS says why), and not under torch.compile, whose
+        compiler owns the buffers."""
+        if positions.device.type != "cpu" or compiling():
+            return None
+        dtype = reduction_dtype(positions)
+        size = min(per_chunk, positions.shape[0]) * self.cfg.real_columns
+        held = self._buffer
+        if held is None or held.dtype != dtype or held.numel() < size:
+            held = self._buffer = torch.empty(size, dtype=dtype)
+        return held
+
+    def _reduce(self, positions: torch.Tensor, *, masked: bool, forward: int) -> None:
+        """Padding mass and non-finite counts of (n, columns) sampled logits of a forward of
+        `forward` positions; the real columns in chunks. `masked`: the loss sees these logits
+        with the padding masked (no padding mass)."""
         c, f = self.cfg, self.flags
         real = c.real_columns
-        per_chunk = chunk_positions(c.columns, positions.device)
-        measure_mass = c.padding_mass and real < c.columns
-        for i in range(0, positions.shape[0], per_chunk):
-            chunk = positions[i : i + per_chunk]  # (n, columns)
-            if measure_mass:
-                mass, lse_real = padding_mass_parts(chunk, real)  # (n,), (n,)
-                # A NaN mass means NaN on the padding columns: count it as all the mass.
-                mass = torch.nan_to_num(mass, nan=1.0)
-                f.put(padding_mass.SUM, mass.sum())
-                top = mass.max()
-                f.put(padding_mass.MAX, top)
-                if not masked:
-                    f.put(padding_mass.LOSS_MAX, top)
-            else:
-                lse_real = chunk[:, :real].sum(dim=-1, dtype=torch.float32)  # (n,)
-            if c.padding_mass:
-                f.put(padding_mass.COUNT, chunk.shape[0])
-            if c.nonfinite:
-                # Positions with a NaN or +Inf among the real-vocab logits make the position's
-                # logsumexp (or sum) non-finite: counted per position, from values already
-                # reduced.
-                f.put(nonfinite.LOGITS, nonfinite_count(lse_real))
-
+        if positions.shape[0] == 0:  # an empty batch: nothing seen, nothing to count
+            return
+        if c.padding_mass and real < c.columns:
+            per_chunk = chunk_positions(c.columns, positions.device, forward)
+            # A sample is a sixteenth of the forward: one thread does it without waiting on
+            # others (ops.one_thread); every position (exact) is worth the threads.
+            with nullcontext() if c.exact else one_thread(positions.device):
+                mass, lse_real = padding_mass_parts(positions, real, per_chunk=per_chunk,
+                                                    scratch=self._scratch(positions, per_chunk))
+            # A NaN mass means NaN on the padding columns: count it as all the mass.
+            mass = torch.nan_to_num(mass, nan=1.0)  # (n,)
+            f.put(padding_mass.SUM, mass.sum())
+            top = mass.max()
+            f.put(padding_mass.MAX, top)
+            if not masked:
+                f.put(padding_mass.LOSS_MAX, top)
+        else:
+            lse_real = positions[:, :real].sum(dim=-1, dtype=torch.float32)  # (n,)
+        if c.padding_mass:
+            f.put(padding_mass.COUNT, positions.shape[0])
+        if c.nonfinite:
+            # Positions with a NaN or +Inf among the real-vocab logits make the position's
+            # logsumexp (or sum) non-finite: counted per position, from values already reduced.
+            f.put(nonfinite.LOGITS, nonfinite_count(lse_real))

@@ -5,6 +5,9 @@ Each returns a tensor on the input's device so the hook can accumulate it withou
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from guard.checks.token_range import POSITIONS
@@ -13,30 +16,68 @@ from guard.device.compile import compiling
 __all__ = [
     "chunk_positions",
     "logsumexp",
+    "logsumexp_rows",
     "mask_padding",
     "mask_padding_",
     "nonfinite_count",
+    "one_thread",
     "out_of_range_parts",
     "padding_mass",
     "padding_mass_parts",
+    "reduction_dtype",
     "sample_positions",
     "sample_positions_at",
+    "sample_size",
     "within_rows",
 ]
 
-# Elements per chunk of (positions, rows) work. On the CPU a fresh temporary of a few hundred
-# MB costs more in page faults than the arithmetic; 2M elements (8 MB in float32) stay in the
-# allocator's reused heap. On CUDA the caching allocator has no such cost, so chunks only
-# bound memory in exact (all-token) mode: 1024 x rows.
+# The guard's share of a forward's logits: at most one position in SAMPLE_SHARE is sampled
+# (and at most `sample_tokens`), so its reductions cost a bounded fraction of what the loss
+# already spends on the same logits (a log-softmax over every position, forward and backward),
+# whatever the vocabulary: a head-dominated model with Qwen2's 151,936 rows measured 1.09x at
+# a quarter of the positions (docs/benchmarks.md, "Vocabulary size"). A sixteenth keeps the
+# default's 256 positions from 4096 positions a forward up.
+SAMPLE_SHARE = 16
+# Elements per chunk of (positions, rows) work, at least. On the CPU every fresh temporary of
+# megabytes is mapped and page-faulted anew, and every large op is a parallel region whose
+# threads wait for each other (on a busy machine, for the scheduler): the chunks go through
+# one reused buffer (guard/device/logits.py), as few as fit 1/SAMPLE_SHARE of the forward's
+# logits, so a sample is one chunk. On CUDA the caching allocator has neither cost, so chunks
+# only bound memory in exact (all-token) mode: 1024 x rows.
 CPU_CHUNK_ELEMENTS = 1 << 21
 CUDA_CHUNK_ROWS = 1024
 
 
-def chunk_positions(rows: int, device: torch.device) -> int:
-    """Positions per chunk for (positions, rows) reductions on `device`."""
+def sample_size(positions: int, sample_tokens: int) -> int:
+    """Positions sampled of a forward's `positions`: at most `sample_tokens` and one in
+    SAMPLE_SHARE, at least one."""
+    return max(1, min(sample_tokens, positions // SAMPLE_SHARE))
+
+
+def chunk_positions(rows: int, device: torch.device, positions: int = 0) -> int:
+    """Positions per chunk for (positions, rows) reductions on `device`, for a forward of
+    `positions` positions (`CPU_CHUNK_ELEMENTS` says why)."""
     if device.type == "cpu":
-        return max(1, CPU_CHUNK_ELEMENTS // rows)
+        return max(1, CPU_CHUNK_ELEMENTS // rows, positions // SAMPLE_SHARE)
     return CUDA_CHUNK_ROWS
+
+
+@contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """The guard's own ops on the CPU in the calling thread alone, the thread count restored
+    after. Each op over 32768 elements is otherwise a parallel region whose worker threads
+    must all be scheduled: on a machine busy with other work a region waits for them (a count
+    over 65536 hidden values took 0.1 ms at the median and 15 ms on average with 2 threads at
+    a load average of 4, 0.3 ms with one), and the guard's handful of small ops a step paid
+    that in full. Outside the CPU, and under torch.compile (a graph break), nothing changes."""
+    if device.type != "cpu" or compiling() or (threads := torch.get_num_threads()) == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _check_real(vocab_real: int, rows: int) -> None:
@@ -48,27 +89,51 @@ def _check_real(vocab_real: int, rows: int) -> None:
         )
 
 
-def padding_mass_parts(logits: torch.Tensor, vocab_real: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padding_mass_parts(logits: torch.Tensor, vocab_real: int, *, per_chunk: int | None = None,
+                       scratch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mass, logsumexp of the real columns), both (...), for logits (..., rows) with padding.
 
     mass = sum(exp(pad)) / (sum(exp(real)) + sum(exp(pad))) = sigmoid(lse(pad) - lse(real)),
     which never forms exp of a large logit, so it is exact for garbage of any size. The
-    second value is non-finite exactly when a real column holds NaN or +Inf.
+    second value is non-finite exactly when a real column holds NaN or +Inf. The real columns
+    of (n, rows) logits go `per_chunk` positions at a time through `scratch` (`logsumexp_rows`).
     """
-    # Half precision loses small masses (the absolute threshold may be 1e-6); float64 input
-    # stays float64.
-    x = logits if logits.dtype == torch.float64 else logits.float()
-    lse_real = logsumexp(x[..., :vocab_real])
-    lse_pad = logsumexp(x[..., vocab_real:])
+    lse_real = logsumexp_rows(logits[..., :vocab_real], per_chunk, scratch)
+    lse_pad = logsumexp(logits[..., vocab_real:])  # (..., padding): small, no chunks
     return torch.sigmoid(lse_pad - lse_real).to(torch.float32), lse_real
 
 
-def logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp over the last dim, as torch.logsumexp (+inf, all -inf and NaN rows alike) in
-    one temporary with an in-place exp: a third faster on the CPU, where this is the cost."""
-    m = x.amax(dim=-1, keepdim=True)
+def reduction_dtype(t: torch.Tensor) -> torch.dtype:
+    """What logsumexp computes in: half precision loses small masses (the absolute threshold
+    may be 1e-6), so float32; float64 input stays float64."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def logsumexp(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """logsumexp over the last dim in `reduction_dtype`, as torch.logsumexp (+inf, all -inf and
+    NaN rows alike), exp(x - max) formed in one buffer and exponentiated in place.
+
+    `scratch`: a flat buffer of at least x.numel() elements of that dtype to form it in. On
+    the CPU a fresh temporary of megabytes is mapped and page-faulted anew at each call, which
+    costs more than the arithmetic (docs/benchmarks.md, "Vocabulary size"); a reused one
+    does not.
+    """
+    m = x.amax(dim=-1, keepdim=True).to(reduction_dtype(x))  # exact: the max is one of x's
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # +-inf / NaN rows: shift by 0
-    return m.squeeze(-1) + (x - m).exp_().sum(dim=-1).log()
+    # x - m is promoted to m's dtype: half logits need no float copy first.
+    out = None if scratch is None else scratch[: x.numel()].view(x.shape)
+    shifted = x - m if out is None else torch.sub(x, m, out=out)
+    return m.squeeze(-1) + shifted.exp_().sum(dim=-1).log()
+
+
+def logsumexp_rows(x: torch.Tensor, per_chunk: int | None = None,
+                   scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """`logsumexp` of (n, k) x, `per_chunk` positions at a time (at once when None): bounded
+    memory for any number of positions, one `scratch` for every chunk."""
+    if per_chunk is None or x.dim() != 2 or x.shape[0] <= per_chunk:
+        return logsumexp(x, scratch)
+    return torch.cat([logsumexp(x[i : i + per_chunk], scratch)
+                      for i in range(0, x.shape[0], per_chunk)])
 
 
 def padding_mass(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
@@ -109,7 +174,8 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     """Number of NaN / +-Inf elements of t, as a 0-dim int64 tensor."""
     if not t.is_floating_point():
         return torch.zeros((), dtype=torch.int64, device=t.device)
-    return torch.isfinite(t).logical_not().sum()
+    with one_thread(t.device):
+        return torch.isfinite(t).logical_not().sum()
 
 
 # The key of an id and its position (guard/checks/token_range.py), exact in float64.
@@ -123,17 +189,18 @@ def out_of_range_parts(
     its flat position as one key: id * POSITIONS + position, or 0 when there is none), each
     0-dim: the counts and what the message needs to tell a ghost from a setting and to say
     where it is."""
-    bad = (ids < 0) | (ids >= vocab_real)
-    if ignore_index is not None:
-        bad &= ids != ignore_index
-    negative = bad & (ids < 0)
-    if not ids.numel():
-        return bad.sum(), negative.sum(), ids.new_zeros((), dtype=torch.int64)
-    flat = ids.reshape(-1).to(torch.int64)
-    position = torch.arange(flat.numel(), device=ids.device).clamp_(max=POSITIONS - 1)
-    key = flat.clamp(max=_ID_LIMIT - 1) * POSITIONS + position  # (n,)
-    top = torch.where(flat >= vocab_real, key, 0).amax()
-    return bad.sum(), negative.sum(), top
+    with one_thread(ids.device):
+        bad = (ids < 0) | (ids >= vocab_real)
+        if ignore_index is not None:
+            bad &= ids != ignore_index
+        negative = bad & (ids < 0)
+        if not ids.numel():
+            return bad.sum(), negative.sum(), ids.new_zeros((), dtype=torch.int64)
+        flat = ids.reshape(-1).to(torch.int64)
+        position = torch.arange(flat.numel(), device=ids.device).clamp_(max=POSITIONS - 1)
+        key = flat.clamp(max=_ID_LIMIT - 1) * POSITIONS + position  # (n,)
+        top = torch.where(flat >= vocab_real, key, 0).amax()
+        return bad.sum(), negative.sum(), top
 
 
 def within_rows(ids: torch.Tensor, rows: int, fill: int, *,
@@ -155,7 +222,8 @@ def mask_padding_(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:
     rows = logits.shape[-1]
     _check_real(vocab_real, rows)
     if vocab_real < rows:
-        logits[..., vocab_real:].fill_(float("-inf"))
+        with one_thread(logits.device):
+            logits[..., vocab_real:].fill_(float("-inf"))
     return logits
 
 
@@ -169,7 +237,8 @@ class _MaskPadding(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, logits: torch.Tensor,
                 vocab_real: int) -> torch.Tensor:
-        logits[..., vocab_real:].fill_(float("-inf"))
+        with one_thread(logits.device):
+            logits[..., vocab_real:].fill_(float("-inf"))
         ctx.mark_dirty(logits)
         ctx.vocab_real = vocab_real  # type: ignore[attr-defined]
         return logits
@@ -182,7 +251,8 @@ class _MaskPadding(torch.autograd.Function):
         # it is zeroed in place; only an expanded one (stride 0, e.g. from .sum()) can't be.
         if any(st == 0 and n > 1 for st, n in zip(grad.stride(), grad.shape, strict=True)):
             grad = grad.clone()
-        grad[..., real:] = 0.0
+        with one_thread(grad.device):
+            grad[..., real:] = 0.0
         return grad, None
 
 

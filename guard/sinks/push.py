@@ -94,6 +94,7 @@ class PushSink:
         self._in_flight = 0  # reports taken from the queue and not yet sent or dropped
         self._gave_up = 0  # reports in flight given up at close (the server never took them)
         self._failure = "none"  # why the last try failed, for the line at close
+        self._failing = False  # since the last request that went through
         self.dropped = 0
         self.sent = 0
         self._thread = threading.Thread(target=self._run, name="guard-push", daemon=True)
@@ -204,6 +205,7 @@ class PushSink:
                 a = self._post(body)
                 if a.status < 300:
                     self._settle(count, sent=True)
+                    self._failing = False
                     return
                 if a.status not in _RETRY_STATUS:
                     self._settle(count, sent=False)
@@ -218,7 +220,11 @@ class PushSink:
                     self._errors.error("tls", _certificate_refused(self.where, count, cert))
                     return
                 why = (f"no complete answer within {self._deadline_s:g} s"
-                       if isinstance(e, TimeoutError) else type(e).__name__)
+                       if isinstance(e, TimeoutError) else _cause(e))
+            if not self._failing:  # said at the first failure, not only by a count at exit
+                self._failing = True
+                log.warning("guard: cannot push to %s (%s); reports wait in the queue and are "
+                            "retried with backoff", self.where, why)
             with self._cond:
                 self._failure = why
                 resume = time.monotonic() + wait
@@ -238,6 +244,16 @@ class PushSink:
             if (left := resume - time.monotonic()) > 0:  # closing, with time for one more try
                 time.sleep(left)
             delay = min(delay * 2, self._backoff_s[1])
+
+
+def _cause(exc: BaseException) -> str:
+    """`exc` and the OS error under it (httpx keeps "Connection refused" causes down)."""
+    inner: BaseException | None = exc
+    while inner is not None and not (isinstance(inner, OSError) and inner.errno):
+        inner = inner.__cause__ or inner.__context__
+    code = inner.errno if isinstance(inner, OSError) else None  # < 0: a getaddrinfo error
+    os_error = os.strerror(code) if code and code > 0 else getattr(inner, "strerror", None)
+    return f"{type(exc).__name__}: {exc}" + (f" ({os_error})" if os_error else "")
 
 
 def _close_at_exit(ref: weakref.ref[PushSink]) -> None:

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from guard_server.app import create_app
     from guard_server.embedded import EmbeddedServer
     from guard_server.errors import (
+        AddressError,
         BodyTooLargeError,
         BusyError,
         CapacityError,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from guard_server.wire import ReportBatch, StepReport
 
 __all__ = [
+    "AddressError",
     "BodyTooLargeError",
     "BusyError",
     "CapacityError",
@@ -43,6 +45,7 @@ __all__ = [
 
 # Exported name -> the submodule that defines it.
 _SOURCES = {
+    "AddressError": "errors",
     "BodyTooLargeError": "errors",
     "BusyError": "errors",
     "CapacityError": "errors",

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from guard_server.errors import SettingsError
+from guard_server.errors import AddressError, SettingsError
 from guard_server.runner import serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and serve until interrupted; 2 on bad settings."""
+    """Parse the command line and serve until interrupted; 2 on bad settings, 3 when the
+    address cannot be listened on."""
     parser = argparse.ArgumentParser(
         prog="python -m guard_server",
         description="Collect logitguard reports and serve them to Prometheus. Other settings "
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         serve(args.host, args.port)
     except SettingsError as exc:
         parser.exit(2, f"{parser.prog}: {exc}\n")
+    except AddressError as exc:  # as `guard serve`: 2 invalid, 3 not available now
+        parser.exit(2 if exc.invalid else 3, f"{parser.prog}: {exc}\n")
     return 0
 
 

@@ -7,7 +7,6 @@ returns None; the caller decides whether training goes on without the endpoint.
 
 from __future__ import annotations
 
-import errno
 import socket
 import threading
 from types import TracebackType
@@ -15,12 +14,12 @@ from types import TracebackType
 import uvicorn
 
 from guard_server.app import create_app
-from guard_server.errors import PortInUseError
+from guard_server.listen import listening_socket
 from guard_server.runner import uvicorn_config
 from guard_server.settings import Settings
 from guard_server.store import Store
 
-__all__ = ["EmbeddedServer", "listening_socket"]
+__all__ = ["EmbeddedServer"]
 
 
 class _Server(uvicorn.Server):
@@ -36,25 +35,6 @@ class _Server(uvicorn.Server):
             await super().startup(sockets)
         finally:
             self.startup_done.set()
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening; PortInUseError if taken."""
-    # Bound here, in the caller's thread, so a taken port is an exception the caller can
-    # catch, not a log line in a thread that then dies.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto named: asyncio sets TCP_NODELAY on accepted sockets only when the listening one
-    # says IPPROTO_TCP; with proto 0 every kept-alive scrape waited ~40 ms on delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # rebind right after a restart
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise PortInUseError(host, port) from exc
-        raise
-    return sock
 
 
 class EmbeddedServer:

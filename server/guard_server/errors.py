@@ -10,6 +10,7 @@ Each error subclasses the builtin it refines and keeps its data as attributes::
                                       or the byte budget (429)
     StepJumpError(ValueError)         a report's step runs further ahead than time allows (409)
     PortInUseError(OSError)           the embedded endpoint's port is taken
+    AddressError(OSError)             `guard serve` cannot listen on its host and port
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import errno
 
 __all__ = [
+    "AddressError",
     "BodyTooLargeError",
     "BusyError",
     "CapacityError",
@@ -120,3 +122,17 @@ class PortInUseError(OSError):
         )
         self.host = host
         self.port = port
+
+
+class AddressError(OSError):
+    """The server cannot listen where its settings say: `.setting` ("host" or "port") is the
+    one to change, `.value` what it holds; `.invalid` when no machine could listen there (a
+    port past 65535, a host that is no address), not just this one now (a port in use)."""
+
+    def __init__(self, setting: str, value: object, problem: str, fix: str, *,
+                 invalid: bool = False) -> None:
+        self.setting = setting
+        self.value = value
+        self.invalid = invalid
+        option = f"--{setting} / GUARD_SERVER_{setting.upper()}"
+        super().__init__(f"{setting} {value} ({option}) {problem}; {fix}")

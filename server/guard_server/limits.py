@@ -58,6 +58,16 @@ class Turns:
         finally:
             semaphore.release()
 
+    @property
+    def waiting(self) -> int:
+        """Bodies waiting for a turn now."""
+        return self._waiting
+
+    @property
+    def taken(self) -> bool:
+        """Every slot is held by a body being read now."""
+        return self._semaphore is not None and self._semaphore.locked()
+
     def _here(self) -> asyncio.Semaphore:
         # An asyncio primitive belongs to the loop that first waits on it, and one app may be
         # served by more than one loop in its life (a TestClient per test, a stop and start).

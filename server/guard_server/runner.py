@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from typing import Any
 
 import uvicorn
@@ -11,6 +12,7 @@ from fastapi import FastAPI
 
 from guard_server.app import create_app
 from guard_server.connections import guarded_protocol, raise_fd_limit
+from guard_server.listen import server_socket
 from guard_server.settings import Settings
 
 log = logging.getLogger("guard_server")
@@ -51,17 +53,37 @@ def uvicorn_config(
     )
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying where it listens: uvicorn says so only for sockets it bound."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            scheme = "https" if self.config.ssl else "http"
+            where = f"[{host}]" if ":" in host else host
+            logging.getLogger("uvicorn.error").info(
+                "guard server listening on %s://%s:%d (Ctrl-C to stop)", scheme, where, port)
+
+
 def serve(
     host: str | None = None, port: int | None = None, settings: Settings | None = None
 ) -> None:
-    """Serve until SIGINT/SIGTERM; host and port default to GUARD_SERVER_HOST/PORT."""
+    """Serve until SIGINT/SIGTERM; host and port default to GUARD_SERVER_HOST/PORT.
+    AddressError, before anything starts, when it cannot listen there."""
     overrides = {key: val for key, val in {"host": host, "port": port}.items() if val is not None}
     settings = Settings(**overrides) if settings is None else settings.model_copy(update=overrides)
+    # Bound first: a bad host or a taken port is one error, not a warning about listening
+    # followed by uvicorn's "startup complete" and a raw bind error.
+    sock = server_socket(settings.host, settings.port)
     config = uvicorn_config(
         create_app(settings), settings, host=settings.host, port=settings.port, own_logging=True
     )
     _warn_if_exposed(settings)
-    uvicorn.Server(config).run()
+    try:
+        _Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 def is_loopback(host: str) -> bool:

@@ -13,18 +13,37 @@ in a thread (a thread per port would not scale to thousands):
     with serve_fleet(1200, render) as targets:       # ["127.0.0.1:PORT", ...]
         ...
 
+What a fleet opens is bounded: a listening socket per endpoint and at most `max_connections`
+connections each (a new one closes the oldest: a scraper that timed out and reconnected
+leaves its old connection behind), each closed after `idle_s` without a request.
+`fleet_process` runs the fleet in a child process under an open-files limit of that bound,
+so a fleet that runs out of descriptors fails alone, never the process that asked for it
+(a pytest run):
+
+    with fleet_process(1200, "tests.dashboards.scale_scenario:render") as fleet:
+        fleet.targets, fleet.open_sockets()
+
 Used by test_live_scale.py and bench/scale.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import importlib
+import json
 import logging
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus 3 needs it exact
 _SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)")
@@ -137,10 +156,11 @@ def capture_exposition(run_id: str = "captured", steps: int = 2) -> str:
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                  body: Callable[[], bytes]) -> None:
-    # HTTP/1.1 keep-alive, as Prometheus scrapes: one GET head after another, no bodies.
+                  body: Callable[[], bytes], idle_s: float) -> None:
+    # HTTP/1.1 keep-alive, as Prometheus scrapes: one GET head after another, no bodies; a
+    # connection without a request for idle_s is closed.
     try:
-        while head := await reader.readuntil(b"\r\n\r\n"):
+        while head := await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), idle_s):
             found = head.split(b" ", 2)[1] == b"/metrics"
             payload = body() if found else b"not found\n"
             status = b"200 OK" if found else b"404 Not Found"
@@ -148,23 +168,26 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          + b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n"
                          + payload)
             await writer.drain()
-    except (asyncio.IncompleteReadError, ConnectionError, IndexError):
+    except (asyncio.IncompleteReadError, ConnectionError, IndexError, TimeoutError):
         pass
     finally:
         writer.close()
 
 
 @contextmanager
-def serve_fleet(count: int, render: Render, host: str = "127.0.0.1") -> Iterator[list[str]]:
+def serve_fleet(count: int, render: Render, host: str = "127.0.0.1", *,
+                max_connections: int = 2, idle_s: float = 30.0) -> Iterator[list[str]]:
     """Serve `render(i, scrape, time.time())` for i in range(count), each on its own port.
 
     `scrape` counts the GETs of /metrics on endpoint i, from 1. Yields the "host:port" of
-    each endpoint in order; everything is closed on exit.
+    each endpoint in order; everything is closed on exit. At most `max_connections` are open
+    per endpoint and none stays idle past `idle_s` (the module docstring says why).
     """
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     servers: list[asyncio.Server] = []
     scrapes = [0] * count
+    held: list[deque[asyncio.StreamWriter]] = [deque() for _ in range(count)]
 
     failed: list[BaseException] = []
 
@@ -174,7 +197,18 @@ def serve_fleet(count: int, render: Render, host: str = "127.0.0.1") -> Iterator
             scrapes[i] += 1
             return render(i, scrapes[i], time.time())
 
-        return lambda reader, writer: _answer(reader, writer, body)
+        async def connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            mine = held[i]
+            if len(mine) >= max_connections:
+                mine.popleft().close()  # its reader sees the end and its task finishes
+            mine.append(writer)
+            try:
+                await _answer(reader, writer, body, idle_s)
+            finally:
+                if writer in mine:
+                    mine.remove(writer)
+
+        return connected
 
     async def start() -> None:
         for i in range(count):
@@ -209,3 +243,92 @@ def serve_fleet(count: int, render: Render, host: str = "127.0.0.1") -> Iterator
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         loop.close()
+
+
+# Descriptors a process needs besides its sockets (the interpreter, torch's libraries, pipes).
+SPARE_FILES = 256
+
+
+def files_bound(count: int, max_connections: int) -> int:
+    """The most descriptors a fleet of `count` endpoints holds, spare ones included."""
+    return count * (1 + max_connections) + SPARE_FILES
+
+
+@dataclass
+class Fleet:
+    """A fleet served by a child process: its targets, and what it holds open."""
+
+    targets: list[str]
+    process: subprocess.Popen[str]
+
+    def open_sockets(self) -> int:
+        """Sockets the child holds now, listening and connected (Linux: /proc/PID/fd)."""
+        fds = Path(f"/proc/{self.process.pid}/fd")
+        found = 0
+        for fd in fds.iterdir():
+            try:
+                found += os.readlink(fd).startswith("socket:")
+            except OSError:  # closed since the listing
+                continue
+        return found
+
+
+@contextmanager
+def fleet_process(count: int, scenario: str, *, max_connections: int = 2,
+                  idle_s: float = 30.0, start_timeout_s: float = 300.0) -> Iterator[Fleet]:
+    """`serve_fleet(count, render)` in a child process, `render` made by `scenario`
+    ("module:function", a function of no arguments run in the child), under an open-files
+    limit of `files_bound(count, max_connections)`. The child exits when this context ends,
+    or when its parent dies (its stdin closes)."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "tests.dashboards.fleet", "--count", str(count),
+           "--scenario", scenario, "--max-connections", str(max_connections),
+           "--idle-s", str(idle_s)]
+    with subprocess.Popen(cmd, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as process:
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            ready = threading.Timer(start_timeout_s, process.kill)  # a child that never answers
+            ready.start()
+            try:
+                line = process.stdout.readline()
+            finally:
+                ready.cancel()
+            if not line:
+                raise RuntimeError(f"the fleet process exited ({process.wait()}) before "
+                                   "serving; its stderr is above")
+            yield Fleet(json.loads(line), process)
+        finally:
+            process.stdin.close()  # the child's signal to stop
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _child(argv: list[str] | None = None) -> None:
+    """`python -m tests.dashboards.fleet`: serve a fleet until stdin closes (fleet_process)."""
+    import resource
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--max-connections", type=int, default=2)
+    p.add_argument("--idle-s", type=float, default=30.0)
+    args = p.parse_args(argv)
+    limit = files_bound(args.count, args.max_connections)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit, hard), hard))
+    module, _, function = args.scenario.partition(":")
+    render: Render = getattr(importlib.import_module(module), function)()
+    with serve_fleet(args.count, render, max_connections=args.max_connections,
+                     idle_s=args.idle_s) as targets:
+        print(json.dumps(targets), flush=True)
+        sys.stdin.read()  # until the parent closes it, or dies
+        # Thousands of sockets: the OS closes them all at once, where closing them one by one
+        # on a loop that may be behind could outlast the parent's wait.
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    _child()

@@ -133,7 +133,7 @@ def test_halted_ranks_is_a_stat_that_reads_zero_when_none(dashboard: dict[str, A
     assert panel["fieldConfig"]["defaults"]["noValue"] == "0"
 
 
-EXTENSIONS = "Names this code adds to `../shared/DESIGN.md`'s contract"
+EXTENSIONS = "Names this code adds to the original design"
 
 
 def test_metric_list_matches_design() -> None:

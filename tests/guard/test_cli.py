@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,34 @@ def test_demo_refuses_an_unknown_scenario(capsys: pytest.CaptureFixture[str]) ->
         cli.main(["demo", "--scenario", "typo"])
     assert exit_.value.code == 2
     assert "invalid choice: 'typo'" in capsys.readouterr().err
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "guard.cli", "serve", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("args", "status", "says"), [
+    (["--port", "99999"], 2, ["port 99999 (--port / GUARD_SERVER_PORT)", "from 1 to 65535"]),
+    (["--host", "256.1.1.1"], 2, ["host 256.1.1.1 (--host / GUARD_SERVER_HOST)",
+                                  "is not an address", "0.0.0.0 for every interface"]),
+])
+def test_serve_says_in_one_line_which_option_is_wrong(args: list[str], status: int,
+                                                      says: list[str]) -> None:
+    done = _serve(*args)
+    assert done.returncode == status
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()  # no traceback, no warning about listening first
+    assert line.startswith("guard serve: ") and all(s in line for s in says), line
+
+
+def test_serve_on_a_port_in_use_names_the_port_and_starts_nothing() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _serve("--port", str(port))
+    assert done.returncode == 3
+    (line,) = done.stderr.splitlines()  # not uvicorn's "startup complete", then a bind error
+    assert f"port {port} (--port / GUARD_SERVER_PORT) is in use on 127.0.0.1" in line
+    assert "choose another port" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from guard.cli import main
+from guard.cli import SIGPIPE_STATUS, main
 from tests.guard.vocab.test_checkpoint import write_model
 
 
@@ -115,3 +116,17 @@ def test_audit_imports_no_torch(models: dict[str, Path]) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out[-2:] == ["0", "False"]
+
+
+def test_output_closed_early_ends_quietly(models: dict[str, Path]) -> None:
+    # `guard audit --json DIR | head` where head has gone: stdout is a pipe nobody reads.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "guard.cli", "audit", "--json",
+                               str(models["untied"])], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert done.returncode == SIGPIPE_STATUS == 141
+    assert done.stderr == ""  # no BrokenPipeError traceback, no "Exception ignored" line

@@ -71,7 +71,7 @@ def test_accepted_connections_send_without_nagle_delay() -> None:
     # on delayed ACK (bench/scale.py: 44 ms before, 0.7 ms after).
     import asyncio
 
-    from guard_server.embedded import listening_socket
+    from guard_server.listen import listening_socket
 
     async def accept_one() -> int:
         sock = listening_socket("127.0.0.1", 0)

@@ -21,13 +21,15 @@ from typing import Any
 import httpx
 import pytest
 
-from guard_server import CapacityError, EmbeddedServer, ReportBatch, Settings
+from guard_server import CapacityError, EmbeddedServer, ReportBatch, Settings, Store
+from guard_server.families import MAX_SERIES_PER_RANK
+from guard_server.limits import BodySlots
 from guard_server.responses import RunDetail
 from guard_server.routes.runs import MAX_PAGE_BYTES
 from guard_server.settings import WAITING_PER_SLOT
 from guard_server.testing import self_signed
 from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
-from tests.server.helpers import split_ingest_counters
+from tests.server.helpers import closed_by_peer, split_ingest_counters
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -48,17 +50,6 @@ def _address(server: EmbeddedServer) -> tuple[str, int]:
 
 def _rejected(server: EmbeddedServer) -> dict[str, float]:
     return split_ingest_counters(httpx.get(f"{server.url}/metrics").text)[1]
-
-
-def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
-    # recv returns b"" (or resets) once the server has closed its end.
-    sock.settimeout(within_s)
-    try:
-        return sock.recv(1024) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def _no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
@@ -127,9 +118,9 @@ def test_stalled_connections_are_capped_and_timed_out(
     stalled = [socket.create_connection(_address(server)) for _ in range(48)]
     try:
         # Past the cap, connections are closed at once; the rest when their head is late.
-        closed_at_once = sum(_closed_by_server(s, 0.3) for s in stalled)
+        closed_at_once = sum(closed_by_peer(s, 0.3) for s in stalled)
         assert closed_at_once >= 48 - 16
-        assert all(_closed_by_server(s, 3.0) for s in stalled)
+        assert all(closed_by_peer(s, 30.0) for s in stalled)
         assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
     finally:
         for s in stalled:
@@ -142,7 +133,7 @@ def test_stalled_connections_are_capped_and_timed_out(
 def test_a_partial_head_is_timed_out(server: EmbeddedServer) -> None:
     with socket.create_connection(_address(server)) as sock:
         sock.sendall(b"POST /v1/reports HTTP/1.1\r\nHost: x\r\n")  # and never the rest
-        assert _closed_by_server(sock, 3.0)
+        assert closed_by_peer(sock, 30.0)
 
 
 def test_a_slow_body_gets_408_and_is_counted(
@@ -219,25 +210,30 @@ def test_tls_settings_name_the_missing_half(tmp_path: Path) -> None:
     assert "does not exist" in info.value.problems["GUARD_SERVER_SSL_CERTFILE"]
 
 
-@pytest.mark.parametrize("server", [{"step_burst": 100, "max_step_rate": 20.0}], indirect=True)
-def test_a_forger_cannot_ratchet_the_step(server: EmbeddedServer, make_batch: Any) -> None:
+def test_a_forger_cannot_ratchet_the_step(make_batch: Any, clock: Any) -> None:
     # The attach_id is readable (GET /v1/runs/{id}); a forger posting +burst again and again
-    # must not move the step faster than the bound over the whole window, not just per post.
-    url = f"{server.url}/v1/reports"
-    assert httpx.post(url, json=make_batch(steps=(6,))).status_code == 202
-    started = time.monotonic()
-    attach = httpx.get(f"{server.url}/v1/runs/run-1").json()["ranks"][0]["latest"]["attach_id"]
-    step, codes = 6, []
-    with httpx.Client(timeout=10) as client:
-        for _ in range(60):
-            step += 100
-            codes.append(client.post(url, json=make_batch(steps=(step,), attach_id=attach))
-                         .status_code)
-    elapsed = time.monotonic() - started
-    held = httpx.get(f"{server.url}/v1/runs/run-1").json()["ranks"][0]["step"]
-    assert held <= 6 + 100 + 20.0 * elapsed, (held, elapsed)
-    assert set(codes) <= {202, 409} and codes.count(409) >= 50
-    assert _rejected(server)["implausible_step"] == codes.count(409)
+    # must not move the step faster than the bound over the whole window, not just per post:
+    # STEP_BURST at once, then MAX_STEP_RATE a second of the store's clock (frozen here, so
+    # no wall time enters the test).
+    settings = Settings(port=0, step_burst=100, max_step_rate=20.0, log_level="warning")
+    with EmbeddedServer(port=0, settings=settings, store=Store(settings, clock=clock)) as server:
+        url = f"{server.url}/v1/reports"
+        assert httpx.post(url, json=make_batch(steps=(6,))).status_code == 202
+        run = f"{server.url}/v1/runs/run-1"
+        attach = httpx.get(run).json()["ranks"][0]["latest"]["attach_id"]
+        with httpx.Client(timeout=30) as client:
+
+            def forge(step: int) -> int:
+                batch = make_batch(steps=(step,), attach_id=attach)
+                return client.post(url, json=batch).status_code
+
+            codes = [forge(6 + 100 * i) for i in range(1, 61)]
+            assert codes == [202] + [409] * 59
+            assert httpx.get(run).json()["ranks"][0]["step"] == 106  # the burst, once
+            clock.advance(5.0)  # 5 s at 20 steps a second: room for one more +100
+            assert (forge(206), forge(306)) == (202, 409)
+        assert httpx.get(run).json()["ranks"][0]["step"] == 206
+        assert _rejected(server)["implausible_step"] == 59 + 1
 
 
 def test_a_page_of_run_state_is_bounded_in_bytes(
@@ -263,13 +259,17 @@ def test_a_page_of_run_state_is_bounded_in_bytes(
 
 
 @pytest.mark.slow
-def test_a_scrape_at_the_caps_stays_inside_the_scrape_timeout(make_batch: Any) -> None:
+def test_a_scrape_at_the_caps_holds_at_most_max_series(make_batch: Any) -> None:
     # Ranks that cost a scrape the most: every check with every action, a halt, every optional
     # value, a 128-character run_id and counts at 2**53; fed in-process until a cap says no.
+    # GUARD_SERVER_MAX_SERIES is what keeps this scrape inside Prometheus' default 10 s
+    # scrape_timeout; how long it takes is bench/ingest.py's "worst case" row
+    # (docs/benchmarks.md), never a test's: a busy machine makes any duration.
     settings = Settings(port=0, log_level="warning")
     every = {check: dict.fromkeys(ACTIONS, MAX_COUNT) for check in CHECKS}
     worst = make_batch(steps=(MAX_COUNT,), violations=every, halted="nonfinite",
                        skipped_steps=MAX_COUNT, dropped_reports=MAX_COUNT)
+    refused: CapacityError | None = None
     with EmbeddedServer(port=0, settings=settings) as server:
         try:
             for n in range(settings.max_ranks):
@@ -279,16 +279,17 @@ def test_a_scrape_at_the_caps_stays_inside_the_scrape_timeout(make_batch: Any) -
                     {"run_id": run_id, "rank": n % settings.max_ranks_per_run,
                      "reports": [report]}))
         except CapacityError as exc:
-            assert exc.scope == "series"
+            refused = exc
+        held = server.store.size()[1]
         accept = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"}
-        started = time.monotonic()
-        reply = httpx.get(f"{server.url}/metrics", headers=accept, timeout=60)
-        took = time.monotonic() - started
+        reply = httpx.get(f"{server.url}/metrics", headers=accept, timeout=600)
+    assert refused is not None and refused.scope == "series"  # the series cap, not the ranks'
     assert reply.status_code == 200
     series = sum(line.startswith("guard_") for line in reply.text.splitlines())
-    # Prometheus' default scrape_timeout is 10 s; this is ~4 s on 2 shared cores.
-    assert took < 10, f"{series} series took {took:.1f} s"
-    assert series <= settings.max_series + 64  # the server's own families, a few dozen
+    # Every rank held is on the page, and the page stays within the cap (plus the server's
+    # own families, a few dozen).
+    assert series >= held * MAX_SERIES_PER_RANK
+    assert series <= settings.max_series + 64
 
 
 def _slow_post(server: EmbeddedServer, body: bytes, sent: int) -> socket.socket:
@@ -335,22 +336,68 @@ def test_bodies_past_the_inflight_limit_wait_their_turn_or_get_429(
         waiting = post(len(body))
         time.sleep(0.1)
         reading.sendall(body[10:])
-        assert _reply(reading, 2.0).startswith(b"HTTP/1.1 202")
-        assert _reply(waiting, 2.0).startswith(b"HTTP/1.1 202")
-        # While one is read and WAITING_PER_SLOT (8) wait, one more is refused at once; the
-        # waiters after 1 s.
+        assert _reply(reading, 30.0).startswith(b"HTTP/1.1 202")
+        assert _reply(waiting, 30.0).startswith(b"HTTP/1.1 202")
+        # While one stalls (until its read timeout, 2 s), WAITING_PER_SLOT (8) wait their turn
+        # (1 s at most) and get a 429 that says when to retry; the stalled one a 408.
         stalled = post(10)
         time.sleep(0.1)
         waiters = [post(len(body)) for _ in range(WAITING_PER_SLOT)]
-        time.sleep(0.2)
-        started = time.monotonic()
-        assert _reply(post(len(body)), 0.5).startswith(b"HTTP/1.1 429")
-        assert time.monotonic() - started < 0.5
         for waiting in waiters:
-            late = _reply(waiting, 2.0)
+            late = _reply(waiting, 30.0)
             assert late.startswith(b"HTTP/1.1 429") and b"retry-after: 2" in late.lower()
             assert b"GUARD_SERVER_MAX_INFLIGHT_BODIES" in late
-        assert _reply(stalled, 3.0).startswith(b"HTTP/1.1 408")
+        assert _reply(stalled, 30.0).startswith(b"HTTP/1.1 408")
     assert httpx.post(f"{server.url}/v1/reports", json=make_batch(steps=(2,))).status_code == 202
     rejected = _rejected(server)
-    assert (rejected["busy"], rejected["timeout"]) == (1 + WAITING_PER_SLOT, 1)
+    assert (rejected["busy"], rejected["timeout"]) == (WAITING_PER_SLOT, 1)
+
+
+@pytest.mark.parametrize("server", [{"max_inflight_bodies": 1, "read_timeout_s": 600.0}],
+                         indirect=True)
+def test_past_the_waiting_room_a_body_is_refused_before_the_waiters_are_answered(
+    server: EmbeddedServer, make_batch: Any
+) -> None:
+    # The waiters wait as long as the stalled body holds the slot (no timer can answer them
+    # first, however busy the machine), so the order of the answers says what a clock would.
+    server.app.state.body_slots = BodySlots(1, wait_s=600.0)
+    body = json.dumps(make_batch()).encode()
+    with contextlib.ExitStack() as open_sockets:
+
+        def post(sent: int) -> socket.socket:
+            return open_sockets.enter_context(_slow_post(server, body, sent))
+
+        stalled = post(10)
+        assert _waits_in_line(server, 0)  # the stalled one holds the slot
+        waiters = [post(len(body)) for _ in range(WAITING_PER_SLOT)]
+        assert _waits_in_line(server, WAITING_PER_SLOT)
+        refused = _reply(post(len(body)), 30.0)
+        assert refused.startswith(b"HTTP/1.1 429") and b"retry-after: 2" in refused.lower()
+        assert not any(_answered(waiting) for waiting in waiters)  # still in line
+        stalled.sendall(body[10:])
+        assert _reply(stalled, 30.0).startswith(b"HTTP/1.1 202")
+        for waiting in waiters:  # each in its turn
+            assert _reply(waiting, 30.0).startswith(b"HTTP/1.1 202")
+    assert _rejected(server)["busy"] == 1
+
+
+def _waits_in_line(server: EmbeddedServer, n: int) -> bool:
+    # Until n bodies wait for the slot (and one holds it), within a deadline for a busy machine.
+    slots: BodySlots = server.app.state.body_slots
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        if slots.waiting == n and slots.taken:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _answered(sock: socket.socket) -> bool:
+    # Whether any byte of an answer has arrived, without waiting for one.
+    sock.setblocking(False)
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except BlockingIOError:
+        return False
+    finally:
+        sock.setblocking(True)

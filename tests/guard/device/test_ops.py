@@ -149,3 +149,72 @@ def testlogsumexp_matches_torch_on_edge_rows() -> None:
     assert torch.allclose(logsumexp(x), torch.logsumexp(x, dim=-1), equal_nan=True)
     y = torch.randn(7, 300) * 50
     assert torch.allclose(logsumexp(y), torch.logsumexp(y, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_chunks_through_a_scratch_buffer_give_the_same_figures(dtype: torch.dtype) -> None:
+    from guard.device.ops import padding_mass_parts, reduction_dtype
+
+    inf, nan = float("inf"), float("nan")
+    x = (torch.randn(37, 300, generator=torch.Generator().manual_seed(0)) * 20).to(dtype)
+    x[3, 7], x[4, :] = nan, -inf  # a NaN real logit; a row the mask would leave
+    x[5, 260], x[6, 10] = inf, -inf
+    scratch = torch.full((7 * 250,), 123.0, dtype=reduction_dtype(x))  # stale values
+    mass, lse = padding_mass_parts(x, 250, per_chunk=7, scratch=scratch)
+    ref_mass, ref_lse = padding_mass_parts(x, 250)  # at once, fresh temporaries
+    assert torch.equal(mass.nan_to_num(7.0), ref_mass.nan_to_num(7.0))
+    assert torch.equal(lse.nan_to_num(7.0), ref_lse.nan_to_num(7.0))
+    assert lse.dtype == reduction_dtype(x)
+    exact = torch.logsumexp(x[:, :250].double(), dim=-1)  # half input: computed in float32
+    assert torch.allclose(lse.double(), exact, rtol=1e-6, equal_nan=True)
+
+
+def test_a_sixteenth_of_a_forwards_positions_is_sampled_and_fits_one_chunk() -> None:
+    from guard.device.ops import SAMPLE_SHARE, chunk_positions, sample_size
+
+    assert [sample_size(n, 256) for n in (1, 15, 16, 1024, 4096, 65536)] == [1, 1, 1, 64,
+                                                                             256, 256]
+    assert sample_size(1024, 8) == 8  # sample_tokens, where fewer
+    cpu = torch.device("cpu")
+    for rows, n in ((151936, 1024), (50304, 8192), (128, 64)):
+        # The sample is one chunk, so a forward's measure is a few large ops, not dozens.
+        assert chunk_positions(rows, cpu, n) >= sample_size(n, 256)
+        # Exact mode: chunks of a sixteenth of the forward (or 8 MB, where that is more).
+        assert chunk_positions(rows, cpu, n) == max(n // SAMPLE_SHARE, (1 << 21) // rows, 1)
+
+
+def test_the_guards_ops_run_in_one_thread_on_the_cpu_and_the_count_comes_back() -> None:
+    from guard.device.ops import one_thread
+
+    cpu, before = torch.device("cpu"), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread(cpu):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ZeroDivisionError), one_thread(cpu):
+            1 / 0  # noqa: B018 - an error inside a hook
+        assert torch.get_num_threads() == 2
+        with one_thread(torch.device("meta")):  # not the CPU: left alone
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_guarded_step_leaves_the_thread_count_as_it_found_it() -> None:
+    import guard
+    from tests.conftest import batch, policy, tiny_gpt
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        m = tiny_gpt(garbage=0.3)
+        seen: list[int] = []
+        with guard.attach(m, vocab_size=100, policy=policy(padding_mass={"action": "mask"})):
+            # After the guard's own hook on the head: the model's next op runs as configured.
+            m.lm_head.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+            _, loss = m(*batch())
+            loss.backward()
+        assert seen == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -42,15 +42,22 @@ def test_config_from_the_policy_and_a_vocab_shard() -> None:
     assert (shard.columns, shard.real_columns, shard.mask) == (64, 36, True)  # ids [64, 100)
 
 
-def test_sampled_padding_mass_is_the_mean_over_sample_tokens_positions() -> None:
+@pytest.mark.parametrize(("sample_tokens", "sampled"), [(8, 4), (3, 3)])
+def test_sampled_padding_mass_is_the_mean_over_a_sixteenth_of_the_positions(
+    sample_tokens: int, sampled: int
+) -> None:
+    # 64 positions a forward: one in 16 of them (4), or sample_tokens where that is fewer; the
+    # guard's share of the logits' work stays a sixteenth of the loss's whatever the vocab.
     m = tiny_gpt(garbage=0.3)
-    pol = load_policy(policy(padding_mass={"action": "warn", "sample_tokens": 8}))
+    pol = load_policy(policy(padding_mass={"action": "warn", "sample_tokens": sample_tokens}))
     probe, _ = probe_for(m, pol)
     x, y = batch()
     logits, _ = m(x, y)
+    flags = probe.flags
+    assert flags.t[flags.layout.index[padding_mass.COUNT]] == sampled
     reading = probe.read(lagged=False)
     flat = logits.detach().reshape(-1, 128)  # 64 positions, warn: not masked
-    expected = mass_of(sample_positions(flat, 8, 0), 100)  # (8,)
+    expected = mass_of(sample_positions(flat, sampled, 0), 100)  # (sampled,)
     assert reading is not None
     pm = reading.local[padding_mass.SPEC]
     assert pm.mean == pytest.approx(float(expected.mean()), rel=1e-5)
