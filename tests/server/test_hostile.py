@@ -23,7 +23,7 @@ import pytest
 
 from guard_server import CapacityError, EmbeddedServer, ReportBatch, Settings, Store
 from guard_server.families import MAX_SERIES_PER_RANK
-from guard_server.limits import BodySlots
+from guard_server.limits import Turns
 from guard_server.responses import RunDetail
 from guard_server.routes.runs import MAX_PAGE_BYTES
 from guard_server.settings import WAITING_PER_SLOT
@@ -360,7 +360,7 @@ def test_past_the_waiting_room_a_body_is_refused_before_the_waiters_are_answered
 ) -> None:
     # The waiters wait as long as the stalled body holds the slot (no timer can answer them
     # first, however busy the machine), so the order of the answers says what a clock would.
-    server.app.state.body_slots = BodySlots(1, wait_s=600.0)
+    server.app.state.body_slots = Turns(1, wait_s=600.0)
     body = json.dumps(make_batch()).encode()
     with contextlib.ExitStack() as open_sockets:
 
