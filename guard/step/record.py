@@ -16,6 +16,7 @@ from typing import Any, cast, get_args
 from annotated_types import Ge, Le
 
 from guard.checks import SPECS
+from guard.checks.spec import Gauges
 from guard.device.reading import LAYOUT, Values
 from guard.policy import CHECKS, Action, Policy, default_run_id
 from guard.sinks import Sink
@@ -131,7 +132,9 @@ class Record:
         s = self._stats
         s["step"] = step
         for name, value in _figures(values).items():
-            if isinstance(value, Mapping):
+            if isinstance(value, Gauges):  # a state per kind: as of now
+                s[name] = dict(value)
+            elif isinstance(value, Mapping):
                 for kind, n in value.items():
                     s[name][kind] += n
             elif value is not None:
