@@ -5,6 +5,7 @@ the trained mean before the update, or stopped before it; healthy models report 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import guard
 from guard import GuardViolation
+from guard.cli import main
 from guard.integrations.transformers import guard_trainer
 from tests.conftest import no_host_reads
 from tests.integrations.chat_llama import (
@@ -232,3 +234,37 @@ def test_warn_counts_every_step_and_reads_the_ids_once(
     steps = [r.message for r in caplog.records if "at step" in r.message]
     assert "'<|eot_id|>'" in steps[0] and "the ids named when they were first used" in steps[1]
 
+
+def audit(capsys: pytest.CaptureFixture[str], d: Path) -> tuple[int, dict[str, Any]]:
+    capsys.readouterr()  # what ran before (the Trainer prints its logs)
+    code = main(["audit", str(d), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("value", "dtype"), KINDS)
+def test_audit_of_the_saved_checkpoint_lists_them_before_the_repair_and_none_after(
+        value: float, dtype: torch.dtype, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    tok = chat_tokenizer()
+    used = ids_of(tok, CHAT)
+    m = llama(tok, used, value=value, dtype=dtype)
+    m.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    code, before = audit(capsys, tmp_path / "base")
+    assert code == 1 and before["ok"] is False  # a fault to fix before training
+    tokens = {str(i): t for i, t in zip(used, CHAT, strict=True)}
+    assert [(u["tensor"], u["ids"], u["near_zero"], u["tokens"])
+            for u in before["untrained_rows"]] == [
+        ("model.embed_tokens.weight", used, used, tokens),
+        ("lm_head.weight", used, used, tokens)]
+    t = hf_trainer(m, tok, tmp_path / "run")
+    cb = guard_trainer(t, policy=QUIET)
+    t.train()  # under the default: repaired at step 1, then trained
+    assert cb.guard is not None
+    found = cb.guard._probe.untrained
+    assert found is not None and [w.ids for w in found.weights] == [used, used]  # as audited
+    m.save_pretrained(tmp_path / "tuned")
+    tok.save_pretrained(tmp_path / "tuned")
+    code, after = audit(capsys, tmp_path / "tuned")
+    assert code == 0 and after["ok"] is True
+    assert [u["ids"] for u in after["untrained_rows"]] == [[], []]
