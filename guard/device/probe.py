@@ -55,6 +55,10 @@ class Probe:
         self.untrained = untrained  # the real vocab's rows never trained, found at attach
         # Its lookup tables count the ids in the hooks that read them for token_range.
         self._counts = None if untrained is None else untrained.device
+        # Per kind of id, the tables that count it, where any row it looks up is untrained.
+        self._input_counts, self._label_counts = (
+            self._counts if self._counts is not None and self._counts.watches(k) else None
+            for k in ("input", "label"))
         self.logits = Logits(cfg, flags)
         self._label_pos: int | None = None
         # This forward's final hidden states, and whether it called the head: a forward that
@@ -141,7 +145,7 @@ class Probe:
         c = self.cfg
         handles: list[Handle] = [hook(model, self._model_pre, kind="forward_pre",
                                       compiled="eager", with_kwargs=True)]
-        if c.token_range or (self._counts is not None and self._counts.watches("input")):
+        if c.token_range or self._input_counts is not None:
             handles += [hook(m, self._embedding_pre, kind="forward_pre") for m in heads.inputs]
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
@@ -159,8 +163,8 @@ class Probe:
         ids = args[0]
         if ids.is_floating_point():  # embeddings of something else
             return None
-        if self._counts is not None:
-            self._counts.count("input", ids)
+        if self._input_counts is not None:
+            self._input_counts.count("input", ids)
         if not self.cfg.token_range:
             return None
         self.flags.mark(coverage.SEEN["inputs"])
@@ -178,8 +182,7 @@ class Probe:
         if not module.training:
             return None
         self._hidden, self._head_called = None, False
-        counts = self._counts if self._counts is not None and self._counts.watches("label") \
-            else None
+        counts = self._label_counts
         if not (self.cfg.token_range or counts is not None):
             return None
         key = next((k for k in _LABEL_KWARGS if k in kwargs), None)

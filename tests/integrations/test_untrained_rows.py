@@ -268,3 +268,41 @@ def test_audit_of_the_saved_checkpoint_lists_them_before_the_repair_and_none_aft
     code, after = audit(capsys, tmp_path / "tuned")
     assert code == 0 and after["ok"] is True
     assert [u["ids"] for u in after["untrained_rows"]] == [[], []]
+
+
+@pytest.mark.filterwarnings("ignore:The '(train|val)_dataloader' does not have many workers")
+@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"
+                            ":FutureWarning")
+def test_lightning_tells_it_at_fit_start_and_repairs_at_step_1(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader
+
+    from guard.integrations.lightning import GuardCallback
+
+    tok = chat_tokenizer()
+    used = ids_of(tok, CHAT)
+
+    class Chat(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = llama(tok, used)
+
+        def training_step(self, b: dict[str, torch.Tensor], i: int) -> torch.Tensor:
+            loss: torch.Tensor = self.model(**b).loss
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    lm, cb = Chat(), GuardCallback(policy=QUIET, tokenizer=tok)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[cb])
+    with caplog.at_level(logging.WARNING, logger="guard"):
+        trainer.fit(lm, DataLoader(chats(tok), batch_size=4))  # type: ignore[arg-type]
+    said = [r.message for r in caplog.records if r.message.startswith("untrained_rows")]
+    assert said[0].startswith("untrained_rows on rank 0 at attach") and "'<|eot_id|>'" in said[0]
+    assert said[1].startswith("untrained_rows on rank 0 at step 1") and len(said) == 2
+    assert cb.guard is not None and cb.guard.stats["violations"]["untrained_rows"] == {
+        "repair": 1}
