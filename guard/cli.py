@@ -101,8 +101,11 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _audit(sub: Subparsers) -> None:
     p = sub.add_parser("audit", help="audit the vocab sizes of a Hugging Face model directory",
                        description="Read config.json, the tokenizer files and the safetensors "
-                       "headers (no weights loaded) and check the three vocab sizes, tying and "
-                       "alignment. Exit status: 0 clean, 1 violations, 2 unreadable input.")
+                       "files (no model loaded, no torch) and check the three vocab sizes, "
+                       "tying and alignment, the padding rows and the rows of the real vocab "
+                       "that were never trained. Exit status: 0 clean, 1 violations (untrained "
+                       "rows included: a fine-tune that uses them trains on them), 2 unreadable "
+                       "input.")
     p.add_argument("path", help="model directory (as written by save_pretrained)")
     p.add_argument("--json", action="store_true", help="print the audit as JSON")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

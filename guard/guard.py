@@ -27,7 +27,7 @@ from guard.step.clock import StepClock, Steps
 from guard.step.episodes import Episodes
 from guard.step.reader import Names, Reader
 from guard.step.record import Record
-from guard.step.verdict import attach_verdict
+from guard.step.verdict import Note, attach_verdict
 from guard.vocab.discover import Heads, discover
 from guard.vocab.resolve import Sizes, resolve
 from guard.vocab.sizes import Audit
@@ -47,16 +47,18 @@ class Guard:
     def __init__(self, model: nn.Module, heads: Heads, policy: Policy, sizes: Sizes, *,
                  rank: int, optimizer: torch.optim.Optimizer | None = None,
                  steps: Steps = "auto", loss_shares: LossShares = "last",
-                 loss_scale: float = 1.0) -> None:
+                 loss_scale: float = 1.0, tokenizer: Any = None) -> None:
         self._model, self._heads, self._policy, self._sizes = model, heads, policy, sizes
         self._optimizer = optimizer
-        self._probe = Probe.from_policy(policy, sizes, heads, rank=rank,
-                                        loss_shares=loss_shares, loss_scale=loss_scale)
+        self._probe = Probe.from_policy(policy, sizes, heads, rank=rank, tokenizer=tokenizer,
+                                        model=model, loss_shares=loss_shares,
+                                        loss_scale=loss_scale)
         self._record = Record.from_policy(policy, sizes.audit, rank)
         self._episodes = Episodes.from_policy(policy, model)
         rows = self._probe.rows
         names = Names(heads.lm_head_name, rows.names if rows is not None else "the padding rows")
-        reader = Reader(policy, sizes, names, self._record, self._episodes, self._probe.repairs())
+        reader = Reader(policy, sizes, names, self._record, self._episodes, self._probe.repairs(),
+                        self._probe.details())
         self._clock = StepClock.from_policy(policy, self._probe, reader, optimizer=optimizer,
                                             steps=steps)
         self._handles: list[Handle] = []  # every hook of this guard, in one list
@@ -133,11 +135,9 @@ class Guard:
         self._record.sinks.append(sink)
 
     def step(self, loss: torch.Tensor | None = None, *, fallback: bool = False) -> None:
-        """Feed the step's loss; without `optimizer=`, also mark a step boundary.
-
-        `fallback`: use `loss` only when the model's forward returned none this step (a
-        callback that sees the loss the trainer backpropagates, and the model's own too).
-        """
+        """Feed the step's loss; without `optimizer=`, also mark a step boundary. `fallback`:
+        use `loss` only when the model's forward returned none this step (a callback that
+        sees the loss the trainer backpropagates, and the model's own too)."""
         if self._detached:
             raise AttachError("this guard is detached; attach a new one")
         if loss is not None:
@@ -148,10 +148,9 @@ class Guard:
             self._clock.mark()
 
     def repair_padding_rows(self) -> None:
-        """Under `padding_rows: repair`, what the repair does, now: the padding rows set to the
-        mean of the current real rows, for what runs after the guard (the callbacks call it at
-        the end of training: the real rows have moved since attach). A collective under FSDP2,
-        so every rank calls it; nothing under another action or without padding rows."""
+        """Under `padding_rows: repair`, the padding rows set to the mean of the real rows now,
+        for what runs after the guard (the callbacks call it at the end of training). A
+        collective under FSDP2, so every rank calls it; nothing under another action."""
         repair = self._probe.repairs().get("padding_rows")
         if repair is not None and self._policy.action("padding_rows") is Action.REPAIR:
             repair()
@@ -227,7 +226,9 @@ class Guard:
         self._handles += self._clock.install(self._model, self._optimizer)
         if self._episodes is not None and self._optimizer is not None:
             self._handles += self._episodes.install(self._probe)
-        self._clock.start()  # the padding rows as they are before step 1 (a repair, or a fail)
+        if (u := self._probe.untrained) and (said := u.attach_message(self.rank)):  # logged
+            self._record.note(Note("untrained_rows", u.policy.action("untrained_rows"), 0, said))
+        self._clock.start()  # the weights' rows as they are before step 1 (a repair, or a fail)
         if self._policy.action("padding_rows") is Action.REPAIR:
             suppress_padding_ids(self._model, self.real, self.rows)  # global ids, sharded or not
         _ATTACHED[self._model] = weakref.ref(self)
@@ -282,7 +283,7 @@ def attach(
     sizes = resolve(heads, a.policy.vocab, vocab_size=vocab_size, tokenizer=tokenizer,
                     vocab_shard=vocab_shard, model=a.model)
     g = Guard(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer, steps=steps,
-              loss_shares=a.loss_shares, loss_scale=float(loss_scale))
+              loss_shares=a.loss_shares, loss_scale=float(loss_scale), tokenizer=tokenizer)
     g._open(a.local_rank)
     log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
              str(sizes.audit).splitlines()[0])

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from guard.quote import quote
+from guard.vocab import untrained_rules
 from guard_server.wire import CHECKS, RunId
 
 __all__ = ["ATTACH_CHECKS", "CHECKS", "STEP_CHECKS", "Action", "Policy", "default_run_id"]
@@ -160,6 +161,24 @@ class CoverageCheck(_Strict):
     action: Literal["fail", "warn", "off"] = "warn"
 
 
+class UntrainedRowsCheck(_Strict):
+    """Rows of the real vocab [0, real) that were never trained, in the embedding and an untied
+    head: found at attach, the ids that fall on them counted every step (guard/device/
+    untrained.py; the thresholds measured in docs/checks.md)."""
+
+    # repair: the used rows become the mean of the trained rows, in place, before the update
+    # of the first step that uses them (what Unsloth's fix_untrained_tokens does before
+    # training). A base checkpoint fine-tuned with its instruct chat template uses them at step
+    # 1, and stopping there (fail) asks for this very fix; warn leaves zero rows in training.
+    action: Literal["repair", "fail", "warn", "off"] = "repair"
+    # The rules' thresholds, each explained where it is defined (guard/vocab/untrained_rules.py):
+    # every |value| of a row <= epsilon; a norm under norm_ratio x the median row's; at least
+    # `duplicates` bitwise-identical rows.
+    epsilon: float = Field(untrained_rules.EPSILON, ge=0.0)
+    norm_ratio: float = Field(untrained_rules.NORM_RATIO, gt=0.0, lt=1.0)
+    duplicates: int = Field(untrained_rules.DUPLICATES, ge=2)
+
+
 class Checks(_Strict):
     alignment: AttachCheck = AttachCheck()
     vocab: AttachCheck = AttachCheck()
@@ -169,6 +188,7 @@ class Checks(_Strict):
     loss_spike: LossSpikeCheck = LossSpikeCheck()
     padding_rows: PaddingRowsCheck = PaddingRowsCheck()
     coverage: CoverageCheck = CoverageCheck()
+    untrained_rows: UntrainedRowsCheck = UntrainedRowsCheck()
 
 
 class VocabSection(_Strict):

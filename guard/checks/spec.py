@@ -14,8 +14,8 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 from guard.policy import Policy
 
-__all__ = ["Context", "Figures", "Found", "Raw", "Reduce", "SeenKind", "Setup", "Slot", "Spec",
-           "Stats", "Watching", "fmt", "listed"]
+__all__ = ["Context", "Figures", "Found", "Gauges", "Raw", "Reduce", "SeenKind", "Setup", "Slot",
+           "Spec", "Stats", "Watching", "fmt", "listed"]
 
 # How a slot accumulates within a read window, and combines over ranks (all-reduce MAX) and
 # over two windows read at once (a lagged read still queued).
@@ -29,6 +29,11 @@ Watching = Mapping[SeenKind, tuple[str, ...]]
 Stats = Mapping[str, float | Mapping[str, int] | None]
 
 F = TypeVar("F")
+
+
+class Gauges(dict[str, int]):
+    """Figures per kind that are a state, not a count (the untrained rows left per weight): in
+    `g.stats` and on the wire they replace the last read's, where counts add up."""
 
 
 @dataclass(frozen=True, eq=False)  # identity: a slot is one position in the flags vector
@@ -80,6 +85,7 @@ class Context:
     crossed: frozenset[Slot]  # the slots past their threshold on some rank
     watching: Watching
     real_from: str = ""  # where the real vocab came from: "len(tokenizer)", "vocab_size=", ...
+    detail: str = ""  # what the host side adds to this check's message (the ids and tokens)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The per-step checks, one spec each (guard/checks/<name>.py), in the order of a verdict:
-cause first. Ghost ids explain an infinite loss under the mask, not the reverse; a blind
-check explains a quiet one."""
+cause first. Ghost ids explain an infinite loss under the mask, not the reverse; ids on rows
+that were never trained explain a NaN in half precision; a blind check explains a quiet one."""
 
 from __future__ import annotations
 
@@ -15,14 +15,16 @@ from guard.checks import (
     padding_mass,
     padding_rows,
     token_range,
+    untrained_rows,
 )
 from guard.checks.spec import SeenKind, Spec, Watching
 from guard.policy import Policy
 
 __all__ = ["CHECKS", "SPECS", "watching"]
 
-CHECKS: tuple[Spec[Any], ...] = (token_range.SPEC, padding_mass.SPEC, nonfinite.SPEC,
-                                 loss_spike.SPEC, padding_rows.SPEC, coverage.SPEC)
+CHECKS: tuple[Spec[Any], ...] = (token_range.SPEC, untrained_rows.SPEC, padding_mass.SPEC,
+                                 nonfinite.SPEC, loss_spike.SPEC, padding_rows.SPEC,
+                                 coverage.SPEC)
 # Every spec with slots in the flags: the checks and the loss they share.
 SPECS: tuple[Spec[Any], ...] = (loss.SPEC, *CHECKS)
 

@@ -25,6 +25,7 @@ from guard.device.site import LogitsSite, find_loss
 from guard.policy import Policy
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
+from guard.vocab.untrained import Untrained, find_untrained
 
 __all__ = ["Probe", "find_loss", "labels_position", "mask_hook"]
 
@@ -47,11 +48,18 @@ class Probe:
     `install` returns their handles (the guard owns and removes them)."""
 
     def __init__(self, cfg: ProbeConfig, flags: Flags, loss: StepLoss,
-                 rows: PaddingRows | None = None) -> None:
+                 rows: PaddingRows | None = None, untrained: Untrained | None = None) -> None:
         self.cfg = cfg
         self.flags = flags
         self.loss = loss
         self.rows = rows  # the padding rows of the weights, checked before each read
+        self.untrained = untrained  # the real vocab's rows never trained, found at attach
+        # Its lookup tables count the ids in the hooks that read them for token_range.
+        self._counts = None if untrained is None else untrained.device
+        # Per kind of id, the tables that count it, where any row it looks up is untrained.
+        self._input_counts, self._label_counts = (
+            self._counts if self._counts is not None and self._counts.watches(k) else None
+            for k in ("input", "label"))
         self.logits = Logits(cfg, flags)
         self._label_pos: int | None = None
         # This forward's final hidden states, and whether it called the head: a forward that
@@ -66,13 +74,16 @@ class Probe:
 
     @classmethod
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
-                    loss_shares: LossShares = "last", loss_scale: float = 1.0) -> Probe:
+                    loss_shares: LossShares = "last", loss_scale: float = 1.0,
+                    tokenizer: Any = None, model: nn.Module | None = None) -> Probe:
+        """`tokenizer` and `model` name the tokens of rows found untrained."""
         device = next((p.device for p in heads.head_holder.parameters()), torch.device("cpu"))
         flags = Flags.from_policy(policy, device, rank, real=sizes.real_columns,
                                   columns=sizes.columns)
         loss = StepLoss.from_policy(policy, flags, shares=loss_shares, scale=loss_scale)
         rows = PaddingRows.from_policy(policy, flags, heads, sizes.first_padding)
-        return cls(ProbeConfig.from_policy(policy, sizes), flags, loss, rows)
+        untrained = find_untrained(policy, flags, heads, sizes, tokenizer=tokenizer, model=model)
+        return cls(ProbeConfig.from_policy(policy, sizes), flags, loss, rows, untrained)
 
     # -- at a boundary (the step clock) ------------------------------------------------------
 
@@ -82,8 +93,9 @@ class Probe:
 
     @property
     def reads_at_attach(self) -> bool:
-        """Something is checked before step 1: the padding rows of the weights."""
-        return self.rows is not None
+        """Something is checked before step 1: the padding rows of the weights, rows of the
+        real vocab found untrained (when none is, the first step's read says so)."""
+        return self.rows is not None or (self._counts is not None and self._counts.n > 0)
 
     def end_step(self, step: int) -> None:
         """Step `step` ended: fold its loss, count what it did not see, move the sample."""
@@ -98,6 +110,8 @@ class Probe:
         """The flags, after checking the weights' padding rows (device ops) when `weights`."""
         if weights and self.rows is not None:
             self.rows.check()
+        if self._counts is not None:
+            self._counts.check()
         return self.flags.read(lagged=lagged, reduce=reduce)
 
     def flush(self) -> Reading | None:
@@ -114,7 +128,15 @@ class Probe:
 
     def repairs(self) -> dict[str, Callable[[], None]]:
         """Per check, what its `repair` action does (the reader calls it at a violation)."""
-        return {} if self.rows is None else {"padding_rows": self.rows.repair}
+        out = {} if self.rows is None else {"padding_rows": self.rows.repair}
+        if self._counts is not None:
+            out["untrained_rows"] = self._counts.repair
+        return out
+
+    def details(self) -> dict[str, Callable[[Reading, bool], str]]:
+        """Per check, what the host adds to its message at a violation (the reader calls it
+        with the reading and whether it was combined over ranks)."""
+        return {} if self.untrained is None else {"untrained_rows": self.untrained.detail}
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -125,7 +147,7 @@ class Probe:
         c = self.cfg
         handles: list[Handle] = [hook(model, self._model_pre, kind="forward_pre",
                                       compiled="eager", with_kwargs=True)]
-        if c.token_range:
+        if c.token_range or self._input_counts is not None:
             handles += [hook(m, self._embedding_pre, kind="forward_pre") for m in heads.inputs]
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
@@ -146,6 +168,10 @@ class Probe:
         ids = args[0]
         if ids.is_floating_point():  # embeddings of something else
             return None
+        if self._input_counts is not None:
+            self._input_counts.count("input", ids)
+        if not self.cfg.token_range:
+            return None
         self.flags.mark(coverage.SEEN["inputs"])
         with torch.no_grad():
             self._out_of_range("input", ids, None)
@@ -163,14 +189,19 @@ class Probe:
             self.fused.on()
         if module.training:
             self._hidden, self._head_called = None, False
+        counts = self._label_counts if module.training else None
         checked = module.training and self.cfg.token_range
-        if not (checked or fused):
+        if not (checked or fused or counts is not None):
             return None
         key = next((k for k in _LABEL_KWARGS if k in kwargs), None)
         pos = self._label_pos if key is None else None
         labels = kwargs[key] if key is not None else (
             args[pos] if pos is not None and len(args) > pos else None)
         if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+            return None
+        if counts is not None:
+            counts.count("label", labels)
+        if not (checked or fused):
             return None
         ignore = self.cfg.ignore_index
         with torch.no_grad():

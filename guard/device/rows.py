@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -17,9 +19,40 @@ from guard.device.sharded import RowShard
 from guard.policy import Policy
 from guard.vocab.discover import Heads
 
-__all__ = ["PaddingRows", "suppress_padding_ids"]
+__all__ = ["HeadWeight", "PaddingRows", "Role", "head_weights", "suppress_padding_ids"]
 
 log = logging.getLogger("guard")
+
+Role = Literal["embedding", "lm_head"]
+
+
+@dataclass(frozen=True)
+class HeadWeight:
+    """A distinct 2-D weight of the embedding and the head (one when they are tied)."""
+
+    name: str  # "wte.weight", or "wte.weight (tied: lm_head.weight)"
+    weight: torch.Tensor  # (rows, d)
+    real: int  # its first padding row, in its own row numbers
+    roles: tuple[Role, ...]  # what it is: ("embedding",), ("lm_head",) or both when tied
+
+
+def head_weights(heads: Heads, firsts: tuple[int, int]) -> list[HeadWeight]:
+    """The weights of the embedding and the head, each once (a tied one named twice: it is
+    checked and repaired once); `firsts`: the first padding row of each (Sizes.first_padding)."""
+    out: list[HeadWeight] = []
+    modules = (heads.embedding, heads.head_holder)
+    names = (heads.embedding_name, heads.lm_head_name)
+    for role, name, module, real in zip(get_args(Role), names, modules, firsts, strict=True):
+        w = getattr(module, "weight", None)
+        if not (isinstance(w, torch.Tensor) and w.dim() == 2):
+            continue
+        tied = next((i for i, h in enumerate(out) if h.weight is w), None)
+        if tied is None:
+            out.append(HeadWeight(f"{name}.weight", w, real, (role,)))
+        else:
+            h = out[tied]
+            out[tied] = HeadWeight(f"{h.name} (tied: {name}.weight)", w, real, (*h.roles, role))
+    return out
 
 
 class PaddingRows:
@@ -48,16 +81,8 @@ class PaddingRows:
         if not policy.enabled("padding_rows"):
             return None
         head, names = heads.head_holder, (heads.embedding_name, heads.lm_head_name)
-        weights: list[tuple[str, torch.Tensor, int]] = []
-        for name, module, real in zip(names, (heads.embedding, head), firsts, strict=True):
-            w = getattr(module, "weight", None)
-            if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] > real):
-                continue
-            tied = next((i for i, (_, seen, _) in enumerate(weights) if seen is w), None)
-            if tied is None:
-                weights.append((f"{name}.weight", w, real))
-            else:  # one tensor: checked and repaired once, named twice
-                weights[tied] = (f"{weights[tied][0]} (tied: {name}.weight)", w, real)
+        weights = [(h.name, h.weight, h.real) for h in head_weights(heads, firsts)
+                   if h.weight.shape[0] > h.real]
         bias = getattr(head, "bias", None)
         biases = ([(f"{names[1]}.bias", bias, firsts[1])] if isinstance(bias, torch.Tensor)
                   and bias.dim() == 1 and bias.shape[0] > firsts[1] else [])

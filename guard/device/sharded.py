@@ -16,6 +16,10 @@ from guard.errors import AttachError
 
 __all__ = ["RowShard", "register_sharded"]
 
+# Rows per block where a whole weight would otherwise be copied to float32 at once (a 128k x
+# 4096 embedding is 2 GiB in float32): 4096 x 4096 is 64 MiB.
+_BLOCK = 4096
+
 
 @dataclass(frozen=True)
 class RowShard:
@@ -28,9 +32,10 @@ class RowShard:
     group: Any = None  # the process group of the sharded mesh dimension; None: not sharded
 
     @classmethod
-    def of(cls, weight: torch.Tensor, name: str) -> RowShard:
+    def of(cls, weight: torch.Tensor, name: str, check: str = "padding_rows") -> RowShard:
         """All rows of a plain tensor; a DTensor's local rows, found from its placements (one
-        mesh dimension `Shard(0)`, the others `Replicate()`: FSDP2, HSDP). Else AttachError."""
+        mesh dimension `Shard(0)`, the others `Replicate()`: FSDP2, HSDP). Else AttachError
+        naming `check`, the one that reads them."""
         rows = weight.shape[0]
         dt = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
         if dt is None or not isinstance(weight, dt.DTensor):
@@ -42,11 +47,11 @@ class RowShard:
         if len(sharded) > 1 or any(type(placements[i]) is not dt.Shard
                                    or not placements[i].is_shard(0) for i in sharded):
             raise AttachError(
-                f"padding_rows reads the rows of {name} that this rank holds, but it is a "
+                f"{check} reads the rows of {name} that this rank holds, but it is a "
                 f"DTensor with placements {placements}: the guard reads weights sharded by "
                 "rows on one mesh dimension (Shard(0), as fully_shard does) or replicated. Set "
-                "checks.padding_rows.action: off to attach without it (the padding rows are "
-                "then neither checked nor repaired; the other checks and the mask still work)")
+                f"checks.{check}.action: off to attach without it (those rows are then neither "
+                "checked nor repaired; the other checks and the mask still work)")
         if not sharded:
             return cls(weight, 0, rows, dtensor=True)
         mesh = weight.device_mesh
@@ -62,9 +67,9 @@ class RowShard:
                     group=mesh.get_group(dim))
         if (local := shard.local().shape[0]) != shard.count:
             raise AttachError(
-                f"padding_rows: this rank's shard of {name} has {local} rows, expected "
+                f"{check}: this rank's shard of {name} has {local} rows, expected "
                 f"{shard.count} (rows [{first}, {first + shard.count}) of {rows}, split as "
-                "torch.chunk does); set checks.padding_rows.action: off to attach without it")
+                f"torch.chunk does); set checks.{check}.action: off to attach without it")
         return shard
 
     def local(self) -> torch.Tensor:
@@ -83,14 +88,29 @@ class RowShard:
         """The rows held here whose number in the whole weight is >= start, (k, d); k may be 0."""
         return self.local()[self._held(start) :]
 
-    def mean_below(self, end: int) -> torch.Tensor:
-        """Float32: the mean of rows [0, end) of the whole weight, (d,) (a scalar for a bias).
-        Sharded by rows, each rank sums the rows it holds and the sums are all-reduced over the
-        shard dimension's group: a collective, so every rank of that group calls it."""
-        total = self.local().detach()[: self._held(end)].float().sum(dim=0)
+    def rows_below(self, end: int) -> torch.Tensor:
+        """The rows held here whose number in the whole weight is < end, (k, d); k may be 0."""
+        return self.local()[: self._held(end)]
+
+    def mean_below(self, end: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32: the mean of rows [0, end) of the whole weight, (d,) (a scalar for a bias);
+        with `keep`, a (rows,) bool of the whole weight, of the rows it marks only (a block of
+        rows at a time: no float32 copy of the whole weight). Sharded by rows, each rank sums
+        the rows it holds and the sums are all-reduced over the shard dimension's group: a
+        collective, so every rank of that group calls it."""
+        held = self.rows_below(end).detach()
+        if keep is None:
+            total = held.float().sum(dim=0)
+        else:
+            mine = keep[self.first : self.first + held.shape[0]].to(held.device, torch.float32)
+            total = held.new_zeros(held.shape[1:], dtype=torch.float32)
+            for i in range(0, held.shape[0], _BLOCK):
+                total += mine[i : i + _BLOCK] @ held[i : i + _BLOCK].float()  # (d,)
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
-        return total / max(end, 1)
+        if keep is None:
+            return total / max(end, 1)
+        return total / keep[:end].sum().clamp_min(1).to(total)
 
     def largest_norm_below(self, end: int) -> torch.Tensor:
         """0-dim float32: the largest norm of rows [0, end) of the whole weight (0 for none).

@@ -38,10 +38,12 @@ class Reader:
 
     def __init__(self, policy: Policy, sizes: Sizes, names: Names, record: Record,
                  episodes: Episodes | None,
-                 repairs: Mapping[str, Callable[[], None]] | None = None) -> None:
+                 repairs: Mapping[str, Callable[[], None]] | None = None,
+                 details: Mapping[str, Callable[[Reading, bool], str]] | None = None) -> None:
         self._policy, self._sizes, self._names = policy, sizes, names
         self._record, self._episodes = record, episodes
         self._repairs = dict(repairs or {})  # check -> what its `repair` action does
+        self._details = dict(details or {})  # check -> what the host adds to its message
 
     def read(self, reading: Reading, step: int, *, when: When, now: int = 0,
              in_step: bool = False, closure: bool = False) -> bool:
@@ -54,17 +56,22 @@ class Reader:
         """
         record = self._record
         record.update(reading.local, step)
+        # Combined over ranks unless read at detach (one rank may detach alone).
+        details = {c: add(reading, when != "detach") for c, add in self._details.items()
+                   if reading.fired_on(c) is not None}
         verdict = judge(reading, self._policy, step=step, real=self._sizes.real_rows,
                         rows=self._sizes.rows, head=self._names.head, weights=self._names.weights,
-                        real_from=self._sizes.found.source)
+                        real_from=self._sizes.found.source, details=details)
         if self._episodes is not None:
             verdict, note = self._episodes.annotate(verdict, rerun_now=in_step, step=now,
                                                     rank=record.rank)
             if note is not None:
                 record.note(note)
         record.add(verdict)
+        # No repair at detach: nothing trains after it, and a repair may be a collective
+        # that a rank detaching alone would wait on forever.
         for check in {v.check for v in verdict.violations if v.action is Action.REPAIR}:
-            if (repair := self._repairs.get(check)) is not None:
+            if (repair := self._repairs.get(check)) is not None and when != "detach":
                 repair()
         skip = False
         if when == "step":

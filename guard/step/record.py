@@ -17,6 +17,7 @@ from annotated_types import Ge, Le
 from pydantic import ValidationError
 
 from guard.checks import SPECS
+from guard.checks.spec import Gauges
 from guard.device.reading import LAYOUT, Values
 from guard.policy import CHECKS, Action, Policy, default_run_id
 from guard.quote import quote
@@ -134,7 +135,9 @@ class Record:
         s = self._stats
         s["step"] = step
         for name, value in _figures(values).items():
-            if isinstance(value, Mapping):
+            if isinstance(value, Gauges):  # a state per kind: as of now
+                s[name] = dict(value)
+            elif isinstance(value, Mapping):
                 for kind, n in value.items():
                     s[name][kind] += n
             elif value is not None:

@@ -4,6 +4,7 @@ no tensor, no state."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from guard.checks import CHECKS, Context, watching
@@ -79,13 +80,13 @@ class Verdict:
 
 def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
           head: str = "lm_head", weights: str = "the embedding / lm_head weights",
-          real_from: str = "") -> Verdict:
+          real_from: str = "", details: Mapping[str, str] | None = None) -> Verdict:
     """The verdict on the all-rank figures, so every rank decides alike: each enabled check
     that fired, described by its spec (guard/checks/), in the table's order (cause first).
 
     `real` and `rows`: the whole head's real vocab (clipped to the rows) and rows, `real_from`
     where the real vocab came from; `head` its name and `weights` those whose padding rows
-    are checked, for the messages.
+    are checked, for the messages; `details` per check what the host side adds to its message.
     """
     watched = watching(policy)
     out = []
@@ -95,7 +96,7 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
             continue
         action = policy.action(spec.name)
         ctx = Context(reading.glob, policy, _NEXT[action], real, rows, head, weights,
-                      reading.crossed, watched, real_from)
+                      reading.crossed, watched, real_from, (details or {}).get(spec.name, ""))
         found = spec.describe(reading.glob[spec], ctx)
         if found is None:
             continue

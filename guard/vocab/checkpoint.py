@@ -16,8 +16,9 @@ from typing import Any
 
 from guard.errors import CheckpointError
 from guard.vocab.safetensors_rows import RowStats, row_stats
+from guard.vocab.safetensors_untrained import UntrainedStats, untrained_stats
 from guard.vocab.sizes import Audit, audit_sizes
-from guard.vocab.tokenizer_files import load_json, tokenizer_vocab
+from guard.vocab.tokenizer_files import load_json, tokenizer_tokens, tokenizer_vocab
 
 __all__ = ["CheckpointAudit", "TensorInfo", "audit_checkpoint", "safetensors_shapes"]
 
@@ -136,10 +137,14 @@ class CheckpointAudit:
     audit: Audit
     padding_rows: tuple[RowStats, ...] = ()
     unread_rows: tuple[str, ...] = ()  # tensors whose dtype the row reader does not decode
+    # The rows of the real vocab that look never trained, per tensor (the embedding, an untied
+    # head): a fault to fix before training, which a fine-tune that uses them trains on.
+    untrained_rows: tuple[UntrainedStats, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return self.audit.ok and all(r.ok for r in self.padding_rows)
+        return self.audit.ok and all(r.ok for r in self.padding_rows) and \
+            all(u.ok for u in self.untrained_rows)
 
     def to_dict(self) -> dict[str, object]:
         def tensor(t: TensorInfo | None) -> dict[str, object] | None:
@@ -150,6 +155,7 @@ class CheckpointAudit:
                 "lm_head": tensor(self.lm_head), "tie_source": self.tie_source,
                 "audit": self.audit.to_dict(),
                 "padding_rows": [r.to_dict() for r in self.padding_rows],
+                "untrained_rows": [u.to_dict() for u in self.untrained_rows],
                 "unread_rows": list(self.unread_rows), "ok": self.ok}
 
     def __str__(self) -> str:
@@ -165,12 +171,16 @@ class CheckpointAudit:
             f"  tied          {'yes' if self.audit.tied else 'no'} ({self.tie_source})",
         ]
         lines += [f"  rows          {r.describe()}" for r in self.padding_rows]
-        lines += [f"  rows          {name}: dtype not read; its padding rows are not checked"
+        lines += [f"  untrained     {u.describe()}" for u in self.untrained_rows]
+        lines += [f"  rows          {name}: dtype not read; its rows are not checked"
                   for name in self.unread_rows]
         bad = [r for r in self.padding_rows if not r.ok]
+        untrained = [u for u in self.untrained_rows if not u.ok]
         sizes = str(self.audit)
-        if bad:  # the sizes may be fine; the checkpoint is not
-            sizes = sizes.replace("  verdict: ok", "  verdict: NOT OK (sizes ok, padding rows not)")
+        if bad or untrained:  # the sizes may be fine; the checkpoint is not
+            rows = " and ".join(w for w, b in (("padding rows", bad), ("untrained rows",
+                                                                      untrained)) if b)
+            sizes = sizes.replace("  verdict: ok", f"  verdict: NOT OK (sizes ok, {rows} not)")
         text = "\n".join(lines) + "\n" + sizes
         if bad:
             text += ("\n  padding rows NOT OK: " + "; ".join(r.describe() for r in bad) +
@@ -178,6 +188,12 @@ class CheckpointAudit:
                      "checks.padding_rows.action: repair does it in place) and save again; "
                      "until then they take probability wherever the padding columns are not "
                      "masked")
+        if untrained:
+            text += ("\n  untrained rows NOT OK: rows of the real vocab that no training reached"
+                     " (their ids are above); a fine-tune that uses them trains on them. fix: "
+                     "set them to the mean of the trained rows (guard.attach's "
+                     "checks.untrained_rows.action: repair does it at their first use) and "
+                     "save again")
         return text
 
 
@@ -228,9 +244,32 @@ def audit_checkpoint(path: str | Path, *, tensor_parallel: int = 1, pad_multiple
                       pad_multiple=pad_multiple, tensor_parallel=tensor_parallel)
     if problems:
         aud = replace(aud, vocab_problems=aud.vocab_problems + tuple(problems))
-    rows_read, unread = _padding_rows(d, real, [emb] if head is None else [emb, head])
+    tensors = [emb] if head is None else [emb, head]
+    rows_read, unread = _padding_rows(d, real, tensors)
+    pad = config.get("pad_token_id", text.get("pad_token_id"))
+    untrained = _untrained_rows(d, min(real, rows), tensors,
+                                pad if isinstance(pad, int) else None)
     return CheckpointAudit(str(d), cfg_vocab, source, emb, head, tie_source, aud, rows_read,
-                           unread)
+                           unread, untrained)
+
+
+def _untrained_rows(d: Path, real: int, tensors: list[TensorInfo],
+                    pad: int | None) -> tuple[UntrainedStats, ...]:
+    """The rows of [0, real) of each tensor that look never trained, by the guard's default
+    rules, with their tokens; the embedding's pad row (HF's padding_idx: zero by design, never
+    updated) is exempt, as at attach. Tensors whose dtype is not read are left out (unread)."""
+    found = []
+    for t in tensors:
+        exempt = (pad,) if pad is not None and t is tensors[0] else ()
+        stats = untrained_stats(d / t.file, t.name, real, exempt=exempt)
+        if stats is not None:
+            found.append(stats)
+    ids = sorted({i for s in found for i in s.ids})
+    try:
+        tokens = tokenizer_tokens(d, ids) if ids else {}
+    except CheckpointError:
+        tokens = {}  # the sizes already read the tokenizer files; names are a courtesy
+    return tuple(replace(s, tokens={i: tokens[i] for i in s.ids if i in tokens}) for s in found)
 
 
 def _padding_rows(d: Path, real: int,

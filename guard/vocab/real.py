@@ -14,7 +14,7 @@ from typing import Any
 from guard.errors import AttachError, CheckpointError
 from guard.vocab.tokenizer_files import tokenizer_vocab
 
-__all__ = ["GIVE_IT", "Real", "find_real"]
+__all__ = ["GIVE_IT", "Real", "checkpoint_dir", "find_real"]
 
 # Configs that keep the unpadded size beside a padded `vocab_size` (HF's Inkling
 # `unpadded_vocab_size`, and the names conversions from other frameworks use).
@@ -81,10 +81,19 @@ def _from_config(config: Any, rows: int) -> tuple[int, str] | None:
     return None
 
 
-def _from_checkpoint(config: Any) -> tuple[int | None, str]:
-    """The tokenizer files of the local directory the model was loaded from, if any."""
+def checkpoint_dir(model: Any) -> str | None:
+    """The local directory an HF model was loaded from (config._name_or_path), if any."""
+    config = getattr(model, "config", None)
     where = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
     if not isinstance(where, str | os.PathLike) or not where or not os.path.isdir(where):
+        return None
+    return os.fspath(where)
+
+
+def _from_checkpoint(model: Any) -> tuple[int | None, str]:
+    """The tokenizer files of the local directory the model was loaded from, if any."""
+    where = checkpoint_dir(model)
+    if where is None:
         return None, "no local checkpoint directory (config._name_or_path)"
     try:
         n, source = tokenizer_vocab(Path(where))
@@ -108,7 +117,7 @@ def find_real(model: Any, sources: dict[str, int | None], tokenizer: Any, rows: 
         return Real(rows, "", looked="the model has no config")
     if (hit := _from_config(config, rows)) is not None:
         return Real(hit[0], hit[1])
-    saved, where = _from_checkpoint(config)
+    saved, where = _from_checkpoint(model)
     if saved is not None:
         return Real(saved, where)
     return Real(rows, "", looked=f"its config keeps no unpadded size; {where}")

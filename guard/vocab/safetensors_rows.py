@@ -7,19 +7,22 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from guard.errors import CheckpointError
 
-__all__ = ["RowStats", "read_rows", "row_stats"]
+__all__ = ["DTYPES", "RowStats", "decode", "iter_rows", "read_rows", "row_stats"]
 
-# Bytes per value, and the struct format of the little-endian values (BF16: see _decode).
+# Bytes per value, and the struct format of the little-endian values (BF16: see decode).
 _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _FORMATS = {"F64": "d", "F32": "f", "F16": "e"}
+DTYPES = tuple(_SIZES)  # the dtypes this reader decodes
 
 
-def _decode(raw: bytes, dtype: str) -> tuple[float, ...]:
+def decode(raw: bytes, dtype: str) -> tuple[float, ...]:
+    """Little-endian values of `dtype` (F64, F32, F16, BF16) as Python floats."""
     n = len(raw) // _SIZES[dtype]
     if dtype == "BF16":  # the high half of a float32: put two zero bytes below each value
         wide = bytearray(4 * n)
@@ -63,10 +66,37 @@ def read_rows(path: Path, name: str, rows: list[int]) -> tuple[str, list[tuple[f
                 if len(raw) < width:
                     raise CheckpointError(str(path), f"row {r} of {name!r} is cut short; "
                                           "expected a complete file (truncated download?)")
-                out.append(_decode(raw, dtype))
+                out.append(decode(raw, dtype))
     except OSError as e:
         raise CheckpointError(str(path), f"cannot read ({e.strerror or e})") from None
     return dtype, out
+
+
+def iter_rows(path: Path, name: str, start: int, stop: int,
+              block: int = 256) -> tuple[str, Iterator[bytes]]:
+    """(dtype, each row of [start, stop) of tensor `name` as its raw bytes), read `block` rows
+    per read: the memory of a block, whatever the tensor's size. An unsupported dtype gives no
+    rows."""
+    dtype, (nrows, ncols), begin, data = _entry(path, name)
+    if dtype not in _SIZES:
+        return dtype, iter(())
+    width = ncols * _SIZES[dtype]
+
+    def rows() -> Iterator[bytes]:
+        try:
+            with path.open("rb") as f:
+                f.seek(data + begin + start * width)
+                for first in range(start, min(stop, nrows), block):
+                    n = min(block, min(stop, nrows) - first)
+                    raw = f.read(n * width)
+                    if len(raw) < n * width:
+                        raise CheckpointError(str(path), f"rows of {name!r} are cut short; "
+                                              "expected a complete file (truncated download?)")
+                    yield from (raw[i * width : (i + 1) * width] for i in range(n))
+        except OSError as e:
+            raise CheckpointError(str(path), f"cannot read ({e.strerror or e})") from None
+
+    return dtype, rows()
 
 
 @dataclass(frozen=True)

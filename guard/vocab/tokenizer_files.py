@@ -4,12 +4,13 @@ tokenizer.json, else vocab.json / added_tokens.json, else a sentencepiece tokeni
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from guard.errors import CheckpointError
 
-__all__ = ["load_json", "tokenizer_vocab"]
+__all__ = ["load_json", "tokenizer_tokens", "tokenizer_vocab"]
 
 
 def load_json(path: Path, what: str) -> Any:
@@ -117,3 +118,41 @@ def tokenizer_vocab(d: Path) -> tuple[int | None, str]:
     if not ids:
         return None, f"{source} lists no token ids"
     return max(ids) + 1, source
+
+
+def _added(listed: object) -> dict[int, str]:
+    """id -> content of a list of added tokens ({"id", "content"}, tokenizer.json's form)."""
+    if not isinstance(listed, list):
+        return {}
+    return {t["id"]: t["content"] for t in listed if isinstance(t, dict)
+            and isinstance(t.get("id"), int) and isinstance(t.get("content"), str)}
+
+
+def tokenizer_tokens(d: Path, ids: Iterable[int]) -> dict[int, str]:
+    """The tokens of `ids` from the tokenizer files of `d` (tokenizer.json's vocab and added
+    tokens, else vocab.json + added_tokens.json; tokenizer_config.json's added_tokens_decoder);
+    an id none of them names is left out. A CheckpointError for a file that is not JSON."""
+    wanted, out = set(ids), {}
+    tj, vj, extra = d / "tokenizer.json", d / "vocab.json", d / "added_tokens.json"
+    if tj.exists():
+        data = load_json(tj, "a tokenizers JSON file")
+        model = data.get("model") if isinstance(data, dict) else None
+        vocab = model.get("vocab") if isinstance(model, dict) else None
+        if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id
+            out.update({i: t for t, i in vocab.items() if i in wanted})
+        elif isinstance(vocab, list):  # Unigram: [piece, score] in id order
+            out.update({i: vocab[i][0] for i in wanted if 0 <= i < len(vocab)
+                        and isinstance(vocab[i], list) and vocab[i]})
+        out.update(_added(data.get("added_tokens") if isinstance(data, dict) else None))
+    elif vj.exists():
+        for path in (vj, extra) if extra.exists() else (vj,):
+            vocab = load_json(path, "a JSON object of token -> id")
+            if isinstance(vocab, dict):
+                out.update({i: t for t, i in vocab.items() if i in wanted})
+    tc = d / "tokenizer_config.json"
+    conf = load_json(tc, "a JSON object") if tc.exists() else None
+    decoder = conf.get("added_tokens_decoder") if isinstance(conf, dict) else None
+    if isinstance(decoder, dict):
+        out.update(_added([{"id": int(k), **v} for k, v in decoder.items()
+                           if str(k).isdigit() and isinstance(v, dict)]))
+    return {i: t for i, t in out.items() if i in wanted and isinstance(t, str)}

@@ -13,9 +13,9 @@ from guard_server.wire import Event, StepReport
 __all__ = ["Budget", "Over", "event_bytes", "report_bytes", "run_bytes"]
 
 # Estimated bytes held, upper bounds measured with tracemalloc on CPython 3.11 / pydantic 2
-# (tests/server/test_store.py checks them against tracemalloc): a stored report is ~3.0 KiB
+# (tests/server/test_store.py checks them against tracemalloc): a stored report is ~4.0 KiB
 # plus its violation counts, an event ~1 KiB plus its strings.
-_RANK_BYTES = 3200 + 1024  # the report, the rank's slot, its event deque
+_RANK_BYTES = 4200 + 1024  # the report, the rank's slot, its event deque
 _CHECK_BYTES = 250  # one check's dict of actions in `violations`
 _COUNT_BYTES = 100  # one (action, count) entry
 _EVENT_BYTES = 1100

@@ -64,6 +64,16 @@ PER_RANK: tuple[Family, ...] = (
            "Token ids in [real, rows) or outside [0, rows) seen since attach, per kind.",
            ("kind",), lambda r, seen: [(("input",), r.out_of_range.input),
                                        (("label",), r.out_of_range.label)], most=2),
+    Family("guard_untrained_rows", "gauge",
+           "Rows of the real vocab found never trained and not repaired, per weight "
+           "(embedding, lm_head).", ("weight",),
+           lambda r, seen: () if r.untrained_rows is None else
+           [(("embedding",), r.untrained_rows.embedding),
+            (("lm_head",), r.untrained_rows.lm_head)], most=2, varies=True),
+    Family("guard_untrained_tokens_total", "counter",
+           "Input ids and labels that fell on never-trained rows since attach, per kind.",
+           ("kind",), lambda r, seen: [(("input",), r.untrained_tokens.input),
+                                       (("label",), r.untrained_tokens.label)], most=2),
     Family("guard_violations_total", "counter",
            "Check violations since attach, per check and action.", ("check", "action"),
            _violations, most=len(CHECKS) * len(ACTIONS), varies=True,
@@ -83,7 +93,7 @@ PER_RANK: tuple[Family, ...] = (
 )
 
 # The most series one rank can put on /metrics: every check with every action, a halt, the
-# loss and both padding-mass ratios.
+# loss, both padding-mass ratios and the untrained rows per weight.
 MAX_SERIES_PER_RANK = sum(f.most for f in PER_RANK)
 
 

@@ -57,10 +57,11 @@ class Settings(BaseSettings):
     max_runs: int = Field(default=64, ge=1)
     max_ranks_per_run: int = Field(default=4096, ge=1)
     max_ranks: int = Field(default=16384, ge=1)
-    # Series on /metrics: a scrape's cost grows with them, not with ranks, and a rank has 16
-    # (typical) to 56 (every check with every action). 16,384 ranks x 24 leaves every typical
-    # rank the caps allow 8 to spare; at the worst (56 a rank, 128-character run_ids) it is
-    # 7,021 ranks, a ~4 s scrape on 2 cores (bench/ingest.py), under the 10 s scrape_timeout.
+    # Series on /metrics: a scrape's cost grows with them, not with ranks, and a rank has 20
+    # (typical) to 65 (every check with every action). 16,384 ranks x 24 leaves every typical
+    # rank the caps allow 4 to spare; at the worst (65 a rank, 128-character run_ids) it is
+    # 6,049 ranks, the same ~393k series that took a ~4 s scrape on 2 cores (bench/ingest.py)
+    # at 56 a rank, under the 10 s scrape_timeout.
     max_series: int = Field(default=16384 * 24, ge=MAX_SERIES_PER_RANK)
     # The memory the server may grow by: the state (reports and events, estimated in bytes;
     # a typical rank holds ~5 KiB, one at every wire limit ~0.55 MiB) plus a reserve for the

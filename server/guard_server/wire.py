@@ -29,13 +29,15 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "ReportBatch",
     "RunId",
     "StepReport",
+    "UntrainedRows",
+    "UntrainedTokens",
     "VocabSizes",
     "bearer_token",
 ]
 
 CheckName = Literal[
     "alignment", "vocab", "padding_mass", "nonfinite", "token_range", "loss_spike",
-    "padding_rows", "coverage",
+    "padding_rows", "coverage", "untrained_rows",
 ]
 # "off" never appears on the wire: an off check records nothing.
 ActionName = Literal["fail", "mask", "skip", "warn", "repair"]
@@ -109,6 +111,20 @@ class OutOfRange(_Wire):
     label: Count
 
 
+class UntrainedRows(_Wire):
+    """Rows of the real vocab found untrained at attach and not repaired since, per weight."""
+
+    embedding: Count
+    lm_head: Count
+
+
+class UntrainedTokens(_Wire):
+    """Cumulative count of input ids and labels that fell on untrained rows."""
+
+    input: Count
+    label: Count
+
+
 class VocabSizes(_Wire):
     """The three vocabulary sizes: tokenizer's, the embedding rows, the aligned size."""
 
@@ -140,6 +156,8 @@ class StepReport(_Wire):
     padding_mass_max: Ratio | None
     nonfinite: NonFinite
     out_of_range: OutOfRange
+    untrained_rows: UntrainedRows | None  # null: the check is off
+    untrained_tokens: UntrainedTokens
     violations: dict[CheckName, dict[ActionName, Count]]
     skipped_steps: Count
     halted: CheckName | None

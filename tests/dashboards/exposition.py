@@ -2,7 +2,8 @@
 
 Run RUN, two ranks (job / instance are added by Prometheus, as for the real server):
   rank 0  every fault: padding mass 2 % unmasked, NaN logits and loss, ghost labels, loss
-          spikes, blind steps (coverage), halted by nonfinite, dropped reports; reporting now.
+          spikes, blind steps (coverage), input ids on untrained rows (warn), halted by
+          nonfinite, dropped reports; reporting now.
   rank 1  healthy numbers, the same padding mass but masked, never blind (its coverage count
           is exposed at 0, as guard-server exposes every enabled check), and silent for 10
           minutes.
@@ -36,6 +37,7 @@ FIRING = {
     "GuardRankSilent": {"1"},
     "GuardReportsDropped": {"0"},
     "GuardBlind": {"0"},
+    "GuardUntrainedTokens": {"0"},
 }
 VOCAB = {"real": 50000, "rows": 50016, "aligned": 50048}  # 50000 rounded up to 64: 50048
 
@@ -61,6 +63,14 @@ def fault_exposition(scrape: int, now: float) -> str:
         ]),
         ("guard_out_of_range_tokens_total", "counter", [
             (f'{r0},kind="input"', 0), (f'{r0},kind="label"', 3 * n),
+            (f'{r1},kind="input"', 0), (f'{r1},kind="label"', 0),
+        ]),
+        ("guard_untrained_rows", "gauge", [
+            (f'{r0},weight="embedding"', 250), (f'{r0},weight="lm_head"', 250),
+            (f'{r1},weight="embedding"', 0), (f'{r1},weight="lm_head"', 0),
+        ]),
+        ("guard_untrained_tokens_total", "counter", [
+            (f'{r0},kind="input"', 6 * n), (f'{r0},kind="label"', 0),
             (f'{r1},kind="input"', 0), (f'{r1},kind="label"', 0),
         ]),
         ("guard_violations_total", "counter", [

@@ -38,6 +38,8 @@ GUARD_METRICS = frozenset(
         "guard_halted",
         "guard_vocab_size",
         "guard_dropped_reports_total",
+        "guard_untrained_rows",
+        "guard_untrained_tokens_total",
         "guard_ingest_reports_total",
         "guard_ingest_rejected_total",
         "guard_server_runs",

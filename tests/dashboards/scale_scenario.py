@@ -2,7 +2,7 @@
 ranks are faulty, halted, silent or straggling, and what each reports at each scrape.
 
   FAULTY     unmasked padding mass, non-finite logits, ghost labels, skipped steps, blind
-             steps, dropped reports, and a loss of 87
+             steps, input ids on untrained rows, dropped reports, and a loss of 87
   HALTED     stopped by nonfinite (one of FAULTY)
   SILENT     last report 10 minutes ago, its step frozen
   STRAGGLER  steps at a fifth of the others' rate
@@ -38,6 +38,7 @@ def values(rank: int, scrape: int, now: float) -> dict[str, float]:
         'guard_violations_total{check="coverage",action="warn"}': n if bad else 0,
         'guard_nonfinite_values_total{tensor="logits"}': 4 * n if bad else 0,
         'guard_out_of_range_tokens_total{kind="label"}': 3 * n if bad else 0,
+        'guard_untrained_tokens_total{kind="input"}': 2 * n if bad else 0,
         "guard_skipped_steps_total": n if bad else 0,
         "guard_dropped_reports_total": 7 * n if bad else 0,
     }

@@ -19,6 +19,7 @@ CONTRACT_ALERTS = {
     "GuardRankSilent",
     "GuardReportsDropped",
     "GuardBlind",
+    "GuardUntrainedTokens",
 }
 SERVER_ALERTS = {"GuardServerDown"}
 

@@ -46,6 +46,7 @@ SURFACES: dict[str, set[int]] = {
     "Ghost tokens by kind": FAULTY,
     "Skipped optimizer steps": FAULTY,
     "Blind checks (coverage)": FAULTY,
+    "Untrained tokens by kind": FAULTY,
     "Loss": FAULTY,
     "Step rate": STRAGGLER | SILENT,
     "Seconds since last report": SILENT,
@@ -61,6 +62,7 @@ FIRING: dict[str, set[int]] = {
     "GuardRankSilent": SILENT,
     "GuardReportsDropped": FAULTY,
     "GuardBlind": FAULTY,
+    "GuardUntrainedTokens": FAULTY,
     "GuardServerDown": set(),
 }
 

@@ -8,7 +8,9 @@ rules loaded. The faults come in turn, after Prometheus has seen every rank heal
 
   rank 0  the control: padding masked (action mask); no other fault. No alert fires for it.
   rank 1  training goes on through every fault: padding mass unmasked (warn) from step 1; a
-          ghost label, id 110, at step 13 (token_range warn); a loss spike at step 15 (ln_f
+          ghost label, id 110, at step 13 (token_range warn); id 97, one of four real rows
+          zeroed before attach (a base model's untrained tokens), as input and label at step 14
+          (untrained_rows repair: counted once, repaired there); a loss spike at step 15 (ln_f
           scaled x1000 for one step; loss_spike warn, default factor 10); a NaN at step 17 (one
           ln_f weight NaN for one step; nonfinite skip, so the weights stay finite); blind at
           step 19: the loop calls the model without targets, computes the loss itself and
@@ -60,8 +62,9 @@ RUN = "live-train.1"  # the dot checks that the dashboard's regex matchers escap
 TOKEN = "live-training-token"
 REAL, ROWS = 100, 128
 GHOST = 110  # a label id in [real, rows): a ghost token the tokenizer cannot produce
+UNTRAINED = range(96, 100)  # rank 1's real rows that were never trained (zero)
 CLEAN_STEPS = 12  # before the faults: loss_spike needs its warmup (10) of finite losses
-GHOST_STEP, SPIKE_STEP, NAN_STEP, BLIND_STEP, LAST_STEP = 13, 15, 17, 19, 20
+GHOST_STEP, UNTRAINED_STEP, SPIKE_STEP, NAN_STEP, BLIND_STEP, LAST_STEP = 13, 14, 15, 17, 19, 20
 
 # Which ranks each alert expression must return, and the one extra label it must carry for
 # them; absent: it returns nothing (for the clean rank 0 above all).
@@ -73,12 +76,14 @@ FIRING: dict[str, set[str]] = {
     "GuardLossSpike": {"1"},
     "GuardReportsDropped": {"2"},
     "GuardBlind": {"1"},
+    "GuardUntrainedTokens": {"1"},
 }
 FIRING_LABELS: dict[str, tuple[str, set[str]]] = {
     "GuardNonFinite": ("tensor", {"logits", "hidden", "loss"}),
     "GuardHalted": ("check", {"nonfinite"}),
     "GuardTokenOutOfRange": ("kind", {"label"}),
     "GuardLossSpike": ("action", {"warn"}),
+    "GuardUntrainedTokens": ("kind", {"input", "label"}),
 }
 
 # The dashboard's drop-downs: (run_id, rank, the ranks its series may carry).
@@ -107,6 +112,7 @@ class Trainee:
     g: guard.Guard
     halted: guard.GuardViolation | None = None
     faults: dict[int, str] = field(default_factory=dict)  # step -> ghost / spike / nan / blind
+    untrained: bool = False  # rows UNTRAINED are zero: no batch uses them but at its fault
 
     def step(self, i: int) -> None:
         """Training step i (1-based), with this rank's fault at that step, if any."""
@@ -114,8 +120,12 @@ class Trainee:
             return
         fault = self.faults.get(i)
         x, y = batch(REAL, seed=i)
+        if self.untrained:
+            x, y = x % UNTRAINED.start, y % UNTRAINED.start
         if fault == "ghost":
             y[0, 0] = GHOST
+        elif fault == "untrained":
+            x[0, 0] = y[0, 0] = UNTRAINED[1]
         ln_f = self.model.ln_f.weight
         saved = ln_f.detach().clone() if fault in ("spike", "nan") else None
         with torch.no_grad():
@@ -153,15 +163,19 @@ class Live:
 
 
 def _attach(
-    rank: int, env: pytest.MonkeyPatch, checks: dict[str, Any], push: str | None
+    rank: int, env: pytest.MonkeyPatch, checks: dict[str, Any], push: str | None,
+    untrained: bool = False,
 ) -> Trainee:
     env.setenv("RANK", str(rank))  # the guard takes its rank from RANK at attach
     model = tiny_gpt(ROWS, seed=rank, garbage=0.5, real=REAL)
+    if untrained:
+        with torch.no_grad():
+            model.lm_head.weight[UNTRAINED] = 0.0  # tied: the embedding's rows too
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pol = policy(**checks) | {"run_id": RUN}
     pol["export"] = {"serve": None, "push": push}  # the policy's push sink takes GUARD_TOKEN
     g = guard.attach(model, policy=pol, vocab_size=REAL, optimizer=opt)
-    return Trainee(rank, model, opt, g)
+    return Trainee(rank, model, opt, g, untrained=untrained)
 
 
 def _train(stack: ExitStack, env: pytest.MonkeyPatch, url: str) -> list[Trainee]:
@@ -169,10 +183,11 @@ def _train(stack: ExitStack, env: pytest.MonkeyPatch, url: str) -> list[Trainee]
     warn, mask = {"action": "warn"}, {"action": "mask"}
     common = {"token_range": warn, "loss_spike": warn}
     clean = _attach(0, env, common | {"padding_mass": mask, "nonfinite": warn}, url)
-    faulty = _attach(1, env, common | {"padding_mass": warn, "nonfinite": {"action": "skip"}}, url)
+    faulty = _attach(1, env, common | {"padding_mass": warn, "nonfinite": {"action": "skip"}}, url,
+                     untrained=True)
     faulty.g.add_sink(PushSink(url, token="stale-token", flush_interval_s=0.2))
-    faulty.faults = {GHOST_STEP: "ghost", SPIKE_STEP: "spike", NAN_STEP: "nan",
-                     BLIND_STEP: "blind"}
+    faulty.faults = {GHOST_STEP: "ghost", UNTRAINED_STEP: "untrained", SPIKE_STEP: "spike",
+                     NAN_STEP: "nan", BLIND_STEP: "blind"}
     halts = _attach(2, env, common | {"padding_mass": mask, "nonfinite": {"action": "fail"}}, None)
     halts.g.add_sink(PushSink(url, token=TOKEN, max_queue=1, flush_interval_s=0.5))
     halts.faults = {NAN_STEP: "nan"}
@@ -242,6 +257,8 @@ def test_the_run_went_as_scripted(live: Live) -> None:
     assert faulty.g.stats["out_of_range"]["label"] == 1
     assert faulty.g.stats["violations"]["loss_spike"] == {"warn": 1}
     assert faulty.g.stats["violations"]["coverage"] == {"warn": 1}  # one blind step
+    assert faulty.g.stats["untrained_tokens"] == {"input": 1, "label": 1}
+    assert faulty.g.stats["violations"]["untrained_rows"] == {"repair": 1}
     assert "coverage" not in halted.g.stats["violations"]
     assert faulty.g.stats["skipped_steps"] == 1
     assert all(torch.isfinite(p).all() for p in faulty.model.parameters()), "skip left a NaN"
@@ -273,8 +290,13 @@ def test_panels_show_the_faults(live: Live) -> None:
     assert _positive(q(_panel("Violations by check and action")), "check", "action") == {
         ("padding_mass", "warn"), ("token_range", "warn"),
         ("loss_spike", "warn"), ("nonfinite", "skip"), ("nonfinite", "fail"),
-        ("coverage", "warn"),
+        ("coverage", "warn"), ("untrained_rows", "repair"),
     }  # fmt: skip
+    assert _positive(q(_panel("Untrained tokens by kind")), "rank", "kind") == {
+        ("1", "input"), ("1", "label")}
+    # Four rows zeroed on rank 1, one used and repaired (tied: the embedding's, named twice).
+    assert _by(q(_panel("Untrained rows left")), "weight") == {("embedding",): 3,
+                                                                ("lm_head",): 3}
     assert _positive(q(_panel("Skipped optimizer steps")), "rank") == {("1",)}
     assert _positive(q(_panel("Blind checks (coverage)")), "rank") == {("1",)}
     assert _by(q(_panel("Halted ranks")), "run_id") == {("",): 1.0}

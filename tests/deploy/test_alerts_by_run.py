@@ -18,7 +18,8 @@ from tests.dashboards.queries import ROOT, alert_rules
 BY_RUN = ROOT / "deploy/prometheus/guard-alerts-by-run.yml"
 # The label each rule keeps beside run_id: the one its per-rank series vary in.
 KEPT = {"GuardNonFinite": "tensor", "GuardHalted": "check", "GuardTokenOutOfRange": "kind",
-        "GuardLossSpike": "action", "GuardPaddingMassHigh": "action"}
+        "GuardLossSpike": "action", "GuardPaddingMassHigh": "action",
+        "GuardUntrainedTokens": "kind"}
 UNCHANGED = {"GuardServerDown"}  # watches guard-server, has no run
 
 

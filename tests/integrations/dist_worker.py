@@ -209,8 +209,41 @@ def nonfinite_under_fsdp2() -> dict[str, Any]:
     return out
 
 
+def untrained_under_fsdp2() -> dict[str, Any]:
+    """Rows [60, 70) of the real vocab never trained (zero), across the shards' boundary at
+    row 64; at step 1 rank 0's input ids use 61 only and rank 1's 66 only. Under repair both
+    rows are set to the mean of the whole weight's trained rows on the rank that holds them,
+    and both ranks name both ids."""
+    untrained, used = list(range(60, 70)), {0: 61, 1: 66}
+    model = nanogpt(garbage=None)
+    with torch.no_grad():
+        model.lm_head.weight[untrained] = 0.0  # tied: wte's rows too
+    keep = torch.ones(128, dtype=torch.bool)
+    keep[untrained] = False
+    keep[100:] = False  # padding rows
+    mean = model.lm_head.weight.detach()[keep].mean(dim=0)
+    sharded(model)
+    weight: Any = model.lm_head.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the rows stay as the repair left them
+    out: dict[str, Any] = {}
+    with guard.attach(model, policy=policy(), vocab_size=100, optimizer=opt) as g:
+        out["found"] = g.stats["untrained_rows"]
+        x, y = rank_batch(1, dist.get_rank())
+        x, y = x % 60, y % 60  # no untrained id but this rank's one
+        x[0, 0] = used[dist.get_rank()]
+        model(x, y)[1].backward()
+        opt.step()
+        model(x, y)[1].backward()  # the same id again: no longer untrained
+        opt.step()
+    full = weight.full_tensor()
+    out["stats"] = {k: g.stats[k] for k in ("untrained_rows", "untrained_tokens", "violations")}
+    out["repaired"] = [i for i in untrained if torch.allclose(full[i], mean, atol=1e-6)]
+    out["zero"] = [i for i in untrained if not full[i].any()]
+    return out
+
+
 FSDP2_CHECKS = {"padding_rows": padding_rows_under_fsdp2, "mask": mask_under_fsdp2,
-                "nonfinite": nonfinite_under_fsdp2}
+                "nonfinite": nonfinite_under_fsdp2, "untrained": untrained_under_fsdp2}
 
 
 def main(out: Path, serve_port: int, mode: str = "tiny") -> None:

@@ -349,3 +349,23 @@ def test_nanogpt_label_without_a_row_ends_in_the_guards_message() -> None:
                           r"labels 5000 at \[2, 7\]"):
         m(x, y)[1].backward()
         g.step()
+
+
+def untrained_gpt() -> nn.Module:
+    """The tiny GPT with four real rows of its tied weight never trained (zero)."""
+    m = tiny_gpt(garbage=0.5)
+    with torch.no_grad():
+        m.lm_head.weight[90:94] = 0.0
+    return m
+
+
+def test_untrained_rows_are_counted_and_repaired_under_compile_as_in_eager() -> None:
+    pol = policy(untrained_rows={"action": "repair"})
+    eager_losses, eager_stats = run(untrained_gpt(), compiled=False, mode="optimizer", pol=pol)
+    torch._dynamo.reset()
+    counters.clear()
+    losses, stats = run(untrained_gpt(), compiled=True, mode="optimizer", pol=pol)
+    assert breaks() == 0 and not counters["unimplemented"]  # the lookup is in the graph
+    assert losses == eager_losses and stats == eager_stats
+    assert stats["untrained_tokens"]["input"] > 0  # random batches use ids 90-93
+    assert stats["violations"]["untrained_rows"]["repair"] >= 1

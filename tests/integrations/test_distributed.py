@@ -61,7 +61,9 @@ def run_ranks(tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]], int]:
     return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)], serve
 
 
-def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int) -> None:
+def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int, attach: int = 0) -> None:
+    """`attach`: the all-reduces at attach (FSDP2: untrained_rows gathers the features of the
+    rows each rank holds, once per weight)."""
     assert (res["rank"], res["guard_rank"]) == (i, i)
     assert res["run_id"] == RUN_ID  # TORCHELASTIC_RUN_ID
     # Both raise at step 3, naming rank 1, though rank 0 saw nothing wrong.
@@ -70,7 +72,7 @@ def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int) -> None:
     assert res["message"].startswith("token_range on rank 1 at step 3: 1 label ids")
     # One all-reduce per step read (3 steps): the read at detach is local, since a rank may
     # detach alone (after an exception) and must not hang the rest.
-    assert res["counts"]["read"] == 4 and res["counts"]["all_reduce"] == 3
+    assert res["counts"]["read"] == 4 and res["counts"]["all_reduce"] == 3 + attach
 
 
 DIST = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -110,7 +112,7 @@ def test_nanogpt_under_fsdp2_stops_both_ranks_at_the_ghost_label(tmp_path: Path)
     # FSDPModule itself. Its hooks see the gathered weights, its labels the model's forward.
     r, _ = run_ranks(tmp_path, "fsdp2")
     for i, res in enumerate(r):
-        assert_both_stopped_at_the_ghost(res, i)  # one all-reduce per read, FSDP2's aside
+        assert_both_stopped_at_the_ghost(res, i, attach=1)  # per read, FSDP2's aside
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +185,19 @@ def test_fsdp2_nan_stops_both_ranks_and_its_localising_rerun_changes_no_step(
         assert nan["warn-2"]["losses"] == nan["warn-None"]["losses"]
         assert nan["warn-2"]["stats"]["violations"]["nonfinite"] == {"warn": 1}
         assert nan["warn-2"]["stats"]["nonfinite"]["loss"] == (1, 0)[i]  # rank 0's NaN
+
+
+@pytest.mark.slow
+@DIST
+def test_fsdp2_untrained_rows_are_found_whole_and_repaired_where_any_rank_used_them(
+        fsdp2: list[dict[str, Any]]) -> None:
+    # Found at attach from both shards (one all-reduce of the rows' features), as one vocab.
+    for res in (r["untrained"] for r in fsdp2):
+        assert res["found"] == {"embedding": 10, "lm_head": 10}  # tied: named twice
+        # Each rank used one id; both ranks repaired both (the ids used are max-reduced), each
+        # writing the rows it holds, to the mean of the whole weight's trained rows.
+        assert res["repaired"] == [61, 66]
+        assert res["zero"] == [60, 62, 63, 64, 65, 67, 68, 69]
+        assert res["stats"]["untrained_rows"] == {"embedding": 8, "lm_head": 8}
+        assert res["stats"]["untrained_tokens"] == {"input": 1, "label": 0}  # this rank's
+        assert res["stats"]["violations"] == {"untrained_rows": {"repair": 1}}

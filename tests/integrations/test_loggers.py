@@ -40,7 +40,9 @@ WARN = policy(padding_mass={"action": "warn"}, token_range={"action": "warn"})
 KEYS = {"step", "padding_mass", "padding_mass_max", "nonfinite/logits", "nonfinite/hidden",
         "nonfinite/loss", "out_of_range/input", "out_of_range/label", "skipped_steps",
         "violations/alignment/fail", "violations/vocab/fail", "violations/padding_mass/warn",
-        "violations/nonfinite/fail", "violations/token_range/warn", "violations/coverage/warn"}
+        "violations/nonfinite/fail", "violations/token_range/warn", "violations/coverage/warn",
+        "untrained_rows/embedding", "untrained_rows/lm_head", "untrained_tokens/input",
+        "untrained_tokens/label", "violations/untrained_rows/repair"}
 
 
 def strict(cb: GuardCallback) -> GuardCallback:

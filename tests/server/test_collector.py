@@ -32,6 +32,9 @@ DESIGN = {
     "guard_halted": ("gauge", {"check"}),
     "guard_vocab_size": ("gauge", {"kind"}),
     "guard_dropped_reports_total": ("counter", set()),
+    # DESIGN's names for the untrained_rows check.
+    "guard_untrained_rows": ("gauge", {"weight"}),
+    "guard_untrained_tokens_total": ("counter", {"kind"}),
 }
 SERVER = {
     "guard_ingest_reports_total": ("counter", set()),

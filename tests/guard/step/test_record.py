@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from guard.checks import Slot, loss, nonfinite, padding_mass, token_range
+from guard.checks import Slot, loss, nonfinite, padding_mass, token_range, untrained_rows
 from guard.policy import Action
 from guard.policy_file import load_policy
 from guard.sinks import MemorySink
@@ -58,7 +58,8 @@ def test_from_the_policy_every_enabled_check_is_a_zero_count() -> None:
     assert report.violations == {"alignment": {"fail": 0}, "vocab": {"fail": 0},
                                  "padding_mass": {"mask": 0}, "nonfinite": {"fail": 0},
                                  "token_range": {"fail": 0},
-                                 "coverage": {"warn": 0}}  # loss_spike is off
+                                 "coverage": {"warn": 0},
+                                 "untrained_rows": {"repair": 0}}  # loss_spike is off
 
 
 def test_values_add_up_in_stats_and_gauges_keep_their_last_value() -> None:
@@ -71,6 +72,26 @@ def test_values_add_up_in_stats_and_gauges_keep_their_last_value() -> None:
                  "out_of_range": {"input": 2, "label": 0}}
     s["nonfinite"]["logits"] = 99  # a copy
     assert r.stats["nonfinite"]["logits"] == 1
+
+
+def test_untrained_rows_left_are_a_state_and_the_tokens_on_them_a_count() -> None:
+    r = record(untrained_rows=Action.REPAIR)
+    assert r.stats["untrained_rows"] is None  # not read yet
+    left = {untrained_rows.READ: 1, untrained_rows.LEFT["embedding"]: 4,
+            untrained_rows.LEFT["lm_head"]: 3}
+    r.update(values(left), step=0)  # attach: what was found
+    r.update(values({untrained_rows.INPUT: 5, untrained_rows.LABEL: 2}), step=1)
+    assert r.stats["untrained_rows"] == {"embedding": 4, "lm_head": 3}  # kept, not added
+    r.update(values({**left, untrained_rows.LEFT["embedding"]: 1, untrained_rows.INPUT: 1}),
+             step=2)  # after a repair
+    s = r.stats
+    assert s["untrained_rows"] == {"embedding": 1, "lm_head": 3}
+    assert s["untrained_tokens"] == {"input": 6, "label": 2}
+    r.emit()
+    report = sent(r).reports[-1]
+    assert report.untrained_rows is not None and report.untrained_rows.embedding == 1
+    assert report.untrained_tokens.input == 6
+    assert r.scalars()["guard/untrained_rows/lm_head"] == 3.0
 
 
 def test_scalars_flatten_the_last_read_for_a_trainers_loggers() -> None:
@@ -88,7 +109,8 @@ def test_scalars_flatten_the_last_read_for_a_trainers_loggers() -> None:
         "guard/step": 2.0, "guard/padding_mass": 0.2, "guard/padding_mass_max": 0.3,
         "guard/nonfinite/logits": 0.0, "guard/nonfinite/hidden": 0.0,
         "guard/nonfinite/loss": 0.0, "guard/out_of_range/input": 1.0,
-        "guard/out_of_range/label": 5.0, "guard/violations/padding_mass/warn": 1.0,
+        "guard/out_of_range/label": 5.0, "guard/untrained_tokens/input": 0.0,
+        "guard/untrained_tokens/label": 0.0, "guard/violations/padding_mass/warn": 1.0,
         "guard/violations/coverage/warn": 0.0, "guard/violations/alignment/warn": 1.0,
         "guard/skipped_steps": 1.0}
     assert all(type(v) is float for v in got.values())

@@ -199,8 +199,7 @@ def test_sharded_untied_rows_are_read_from_their_own_shards(tmp_path: Path) -> N
     assert not a.ok
 
 
-def test_only_the_rows_are_read_not_the_tensor(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_rows_are_read_once_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = write_model(tmp_path, 8160, real=8160, resize_to=8192)  # 8192 x 8 float32: 256 KiB
     read = {"bytes": 0}
     real_open = Path.open
@@ -222,9 +221,9 @@ def test_only_the_rows_are_read_not_the_tensor(tmp_path: Path,
     monkeypatch.setattr(Path, "open", counting_open)
     a = audit_checkpoint(d)
     assert a.ok and a.padding_rows[0].stop == 8192
-    # The 32 padding rows and 64 sampled real rows (32 bytes each) and the headers, not the
-    # 256 KiB embedding.
-    assert read["bytes"] < (32 + 64) * 32 + 20_000 < 8192 * 32
+    # Each real row once (untrained_rows), the 32 padding rows and 64 sampled real rows (32
+    # bytes each) and the headers: one pass, not a tensor loaded per question.
+    assert read["bytes"] < (8160 + 32 + 64) * 32 + 20_000 < 2 * 8192 * 32
 
 
 # -- unreadable input ------------------------------------------------------------------------

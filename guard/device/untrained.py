@@ -1,0 +1,154 @@
+"""The untrained_rows check on the device: the ids found untrained at attach (guard/vocab/
+untrained.py finds them) as lookup tables, counted in every training forward with device ops
+only, and repaired in place.
+
+Per kind of id a table over the vocab gives each id its place among the untrained ids, or n
+(their number) when its row is trained: input ids look up the embedding's rows, labels the
+head's (the same table when tied). A forward's ids cost a clamp, a gather, a compare, a sum
+and an index_fill into `used`, (n + 1,) marks of the ids used since attach; nothing is read to
+the host. The host reads `used` only when NEW says a message has new ids to name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from guard.checks import untrained_rows as spec
+from guard.device.flags import Flags
+from guard.device.rows import HeadWeight
+from guard.device.sharded import RowShard
+
+__all__ = ["Rows", "UntrainedRows"]
+
+
+@dataclass
+class Rows:
+    """The untrained rows of one weight (of the real vocab), and its state on the device."""
+
+    head: HeadWeight
+    shard: RowShard
+    ids: list[int]  # the untrained rows, ids of the whole vocab
+    why: list[int]  # per id, guard/device/untrained_rules.py's bits
+    reference: float  # the median norm of its other rows
+    exempt: list[int]  # rows untrained by design (an embedding's padding_idx): not in the mean
+    # On the device, per id: its place among all the untrained ids, and whether it still waits
+    # for a repair; the rows of the real vocab that are trained (the repair's mean).
+    pos: torch.Tensor = field(init=False)
+    pending: torch.Tensor = field(init=False)
+    keep: torch.Tensor = field(init=False)
+
+
+class UntrainedRows:
+    """The lookup tables, the ids used and the rows left; `count` runs in the probe's hooks,
+    `check` before each read, `repair` at a violation under `repair`."""
+
+    def __init__(self, weights: Sequence[Rows], flags: Flags) -> None:
+        self.weights = list(weights)
+        self.flags = flags
+        self.ids = sorted({i for w in weights for i in w.ids})  # every untrained id, once
+        self.n = len(self.ids)
+        place = {i: k for k, i in enumerate(self.ids)}
+        device = weights[0].shard.local().device
+        self.tables: dict[spec.Kind, torch.Tensor] = {}
+        for w in weights:
+            rows = w.head.weight.shape[0]
+            w.pos = torch.tensor([place[i] for i in w.ids], dtype=torch.int64, device=device)
+            w.pending = torch.ones(len(w.ids), dtype=torch.bool, device=device)
+            w.keep = torch.arange(rows, device=device) < w.head.real
+            w.keep[w.ids + w.exempt] = False
+            # (rows + 1,): an id clamped to [-1, rows] finds n for a trained row, an ignore
+            # index or an id with no row (-1 and rows both land on the last entry).
+            table = torch.full((rows + 1,), self.n, dtype=torch.int64, device=device)
+            table[w.ids] = w.pos
+            for role in w.head.roles:
+                if w.ids:
+                    self.tables["input" if role == "embedding" else "label"] = table
+        self.used = torch.zeros(self.n + 1, device=device)  # the last entry: trained ids
+        self.named = torch.zeros(self.n + 1, device=device)  # what a message has named
+        self._changed = True  # the rows left changed since the flags last got them
+
+    def watches(self, kind: spec.Kind) -> bool:
+        """Some row this kind of id looks up is untrained (else its hook counts nothing)."""
+        return kind in self.tables
+
+    def count(self, kind: spec.Kind, ids: torch.Tensor) -> None:
+        """Ids of this forward that fall on untrained rows, into the flags (device ops)."""
+        table = self.tables.get(kind)
+        if table is None:
+            return
+        if table.device != ids.device:  # the model moved after attach: a copy, once
+            self._to(ids.device)
+            table = self.tables[kind]
+        place = table[ids.clamp(-1, table.shape[0] - 1)]  # ids' shape: n where trained
+        self.flags.put(spec.SLOTS[kind], (place < self.n).sum())
+        self.used.index_fill_(0, place.reshape(-1), 1.0)
+
+    def check(self) -> None:
+        """Before a read (device ops): the rows left per weight when they changed (at attach
+        and after a repair: a gauge keeps its last value), and, where any row is untrained,
+        the ids not named yet. A model with none costs nothing after attach."""
+        f = self.flags
+        if self._changed:
+            self._changed = False
+            f.put(spec.READ, 1.0)
+            for role, slot in spec.LEFT.items():
+                w = next((w for w in self.weights if role in w.head.roles), None)
+                f.put(slot, 0.0 if w is None else w.pending.sum())
+        if self.n:
+            f.put(spec.NEW, (self.used[: self.n] > self.named[: self.n]).sum())
+
+    def take_new(self, *, reduce: bool) -> torch.Tensor:
+        """(n,) bool: the ids used on any rank that no message named yet, now named. A
+        collective when `reduce` and distributed: every rank calls it at the same read."""
+        used = self._union(reduce=reduce)
+        new = used[: self.n] > self.named[: self.n]
+        self.named.copy_(used)
+        return new
+
+    def repair(self) -> None:
+        """The rows of the ids used (on any rank) that are untrained, in every weight, set to
+        the mean of that weight's trained rows in place; those ids then count no more. A
+        collective when distributed (the ids used, and the mean under FSDP2), so every rank
+        repairs at the same read. Rows whose trained rows diverged (a non-finite mean) are
+        left as they are: a device select, no host read."""
+        self._changed = True
+        with torch.no_grad():
+            hit = self._union(reduce=True)[: self.n] > 0
+            for w in self.weights:
+                mean = w.shard.mean_below(w.head.real, keep=w.keep)  # (d,) float32
+                local = w.shard.local()
+                write = hit.to(w.pos.device)[w.pos] & w.pending & torch.isfinite(mean).all()
+                here = [j for j, i in enumerate(w.ids)
+                        if w.shard.first <= i < w.shard.first + w.shard.count]
+                if here:  # the rows this rank holds (all of them, unless FSDP2 shards them)
+                    at = torch.tensor(here, device=local.device)
+                    rows = torch.tensor([w.ids[j] - w.shard.first for j in here],
+                                        device=local.device)
+                    fill = torch.where(write[at].unsqueeze(1).to(local.device),
+                                       mean.to(local.dtype).to(local.device),
+                                       local.index_select(0, rows))
+                    local.index_copy_(0, rows, fill)
+                w.pending &= ~write
+                for role in w.head.roles:
+                    kind: spec.Kind = "input" if role == "embedding" else "label"
+                    if kind in self.tables:
+                        ids = torch.tensor(w.ids, device=w.pos.device)
+                        self.tables[kind].index_copy_(
+                            0, ids, torch.where(w.pending, w.pos, self.n))
+
+    def _union(self, *, reduce: bool) -> torch.Tensor:
+        """`used`, max-combined over ranks when `reduce` and distributed (kept so)."""
+        if reduce and dist.is_available() and dist.is_initialized() and \
+                dist.get_world_size() > 1:
+            dist.all_reduce(self.used, op=dist.ReduceOp.MAX)
+        return self.used
+
+    def _to(self, device: torch.device) -> None:
+        self.tables = {k: t.to(device) for k, t in self.tables.items()}
+        self.used, self.named = self.used.to(device), self.named.to(device)
+        for w in self.weights:
+            w.pos, w.pending, w.keep = w.pos.to(device), w.pending.to(device), w.keep.to(device)

@@ -1,0 +1,76 @@
+"""Which rows of a weight look never trained, decided on the device at attach by the rules of
+guard/vocab/untrained_rules.py (ZERO, SMALL, SAME; the thresholds from the policy).
+
+Per row of the real vocab [0, real): its largest magnitude, its norm, whether it is finite and
+two fingerprints of its bits. O(rows x hidden) once, a block of rows at a time; under FSDP2
+each rank fills the rows it holds and one all-reduce (SUM) gives every rank all of them, so
+every rank decides alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from guard.device.sharded import RowShard
+from guard.vocab.untrained_rules import SAME, SMALL, ZERO
+
+__all__ = ["classify", "row_features"]
+# Rows per block: a 1024 x 4096 block is 16 MiB in float32 and 32 MiB as int64 pieces.
+_BLOCK = 1024
+# Fingerprint weights below 2**24: a piece (< 2**16) times a weight stays under 2**40, and a
+# row's sum of up to 2**20 pieces under 2**60, so int64 never overflows and the fingerprint is
+# exact whatever the order of the sum (a float sum may differ between two blocks' shapes).
+_WEIGHT_BITS = 24
+
+
+def _pieces(block: torch.Tensor) -> torch.Tensor:
+    """(b, d) values -> (b, m) int64: their bits as 16-bit pieces (bytes for 1-byte types)."""
+    wide = torch.int16 if block.element_size() % 2 == 0 else torch.uint8
+    return block.contiguous().view(wide).to(torch.int64)
+
+
+def row_features(shard: RowShard, real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [0, real) of the whole weight: (real, 3) float64 (max |value|, norm, finite) and
+    (real, 2) int64 fingerprints of their bits; collective when sharded (every rank calls)."""
+    held = shard.rows_below(real).detach()  # (k, d): the rows held here
+    device = held.device
+    # One int64 buffer: the features' float64 bits beside the fingerprints, so that sharded,
+    # one all-reduce (SUM) gathers both; each row is filled on one rank and 0 elsewhere, and
+    # x + 0 is x bit for bit.
+    packed = torch.zeros(real, 5, dtype=torch.int64, device=device)
+    features, prints = packed[:, :3].view(torch.float64), packed[:, 3:]
+    if held.shape[0]:
+        width = _pieces(held[:1]).shape[1]
+        seed = torch.Generator().manual_seed(21)  # the same weights on every rank
+        weights = torch.randint(1, 1 << _WEIGHT_BITS, (2, width), generator=seed)
+        weights = weights.to(device)
+        for i in range(0, held.shape[0], _BLOCK):
+            block = held[i : i + _BLOCK]
+            x = block.float()  # (b, d)
+            at = slice(shard.first + i, shard.first + i + block.shape[0])
+            features[at, 0] = x.abs().amax(dim=1).double()
+            features[at, 1] = x.norm(dim=1).double()
+            features[at, 2] = torch.isfinite(x).all(dim=1).double()
+            bits = _pieces(block)  # (b, m)
+            for j in range(2):
+                prints[at, j] = (bits * weights[j]).sum(dim=1)
+    if shard.group is not None:
+        dist.all_reduce(packed, group=shard.group)
+    return features, prints
+
+
+def classify(features: torch.Tensor, prints: torch.Tensor, *, epsilon: float, norm_ratio: float,
+             duplicates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, why it looks untrained ((real,) int64 of ZERO | SMALL | SAME bits, 0: trained),
+    and the reference norm (0-dim: the median norm of the finite rows that are not ZERO, NaN
+    when there are none)."""
+    top, norm, finite = features[:, 0], features[:, 1], features[:, 2] > 0
+    zero = finite & (top <= epsilon)
+    others = finite & ~zero
+    reference = torch.where(others, norm, float("nan")).nanmedian()
+    small = others & (norm < norm_ratio * reference)  # False against a NaN reference
+    _, group, size = torch.unique(prints, dim=0, return_inverse=True, return_counts=True)
+    same = finite & (size[group] >= duplicates)
+    why = zero.long() * ZERO | small.long() * SMALL | same.long() * SAME
+    return why, reference
