@@ -383,7 +383,7 @@ def test_past_the_waiting_room_a_body_is_refused_before_the_waiters_are_answered
 
 def _waits_in_line(server: EmbeddedServer, n: int) -> bool:
     # Until n bodies wait for the slot (and one holds it), within a deadline for a busy machine.
-    slots: BodySlots = server.app.state.body_slots
+    slots: Turns = server.app.state.body_slots
     deadline = time.monotonic() + 30.0
     while time.monotonic() < deadline:
         if slots.waiting == n and slots.taken:
