@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs/metrics.md"
 BY_RUN = sorted((ROOT / "deploy/prometheus").glob("*.yml"))
 # Labels whose values are a closed set the page lists in the metric's row.
-LISTED = ("tensor", "kind", "action", "reason")
+LISTED = ("tensor", "kind", "action", "reason", "weight")
 
 Row = dict[str, str]
 

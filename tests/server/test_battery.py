@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from guard_server.families import MAX_SERIES_PER_RANK
 from guard_server.testing import free_port
 from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
 
@@ -198,7 +199,9 @@ def test_concurrent_scrapes_at_the_caps_stay_within_the_budget(
     # in the thread pool, each held ~30x its text (8 at once grew a server by ~200 MiB under
     # an 8 MiB budget). The defaults of the scrape settings, so that the old tree runs it too.
     budget, every = 64 << 20, {check: dict.fromkeys(ACTIONS, MAX_COUNT) for check in CHECKS}
-    env = {"GUARD_SERVER_MAX_RANKS": "1024", "GUARD_SERVER_MAX_SERIES": str(500 * 56)}
+    # 500 of them: the cap counts each rank at its most series (families.MAX_SERIES_PER_RANK).
+    env = {"GUARD_SERVER_MAX_RANKS": "1024",
+           "GUARD_SERVER_MAX_SERIES": str(500 * MAX_SERIES_PER_RANK)}
     with _server(tmp_path, env, budget) as (url, process, log):
         rss_before = _rss_bytes(process.pid)
         with httpx.Client(base_url=url, timeout=30) as client:
