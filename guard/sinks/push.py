@@ -32,6 +32,7 @@ from guard.sinks.replies import (
     Answer,
     Throttled,
     certificate_problem,
+    failure,
     read_answer,
     redact,
     refusal,
@@ -220,7 +221,7 @@ class PushSink:
                     self._errors.error("tls", _certificate_refused(self.where, count, cert))
                     return
                 why = (f"no complete answer within {self._deadline_s:g} s"
-                       if isinstance(e, TimeoutError) else _cause(e))
+                       if isinstance(e, TimeoutError) else failure(e))
             if not self._failing:  # said at the first failure, not only by a count at exit
                 self._failing = True
                 log.warning("guard: cannot push to %s (%s); reports wait in the queue and are "
@@ -244,16 +245,6 @@ class PushSink:
             if (left := resume - time.monotonic()) > 0:  # closing, with time for one more try
                 time.sleep(left)
             delay = min(delay * 2, self._backoff_s[1])
-
-
-def _cause(exc: BaseException) -> str:
-    """`exc` and the OS error under it (httpx keeps "Connection refused" causes down)."""
-    inner: BaseException | None = exc
-    while inner is not None and not (isinstance(inner, OSError) and inner.errno):
-        inner = inner.__cause__ or inner.__context__
-    code = inner.errno if isinstance(inner, OSError) else None  # < 0: a getaddrinfo error
-    os_error = os.strerror(code) if code and code > 0 else getattr(inner, "strerror", None)
-    return f"{type(exc).__name__}: {exc}" + (f" ({os_error})" if os_error else "")
 
 
 def _close_at_exit(ref: weakref.ref[PushSink]) -> None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import logging
+import os
 import ssl
 import time
 import urllib.parse
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -18,8 +19,8 @@ import httpx
 
 from guard.quote import quote
 
-__all__ = ["Answer", "Throttled", "certificate_problem", "read_answer", "redact", "refusal",
-           "retry_after", "split_credentials"]
+__all__ = ["Answer", "Throttled", "certificate_problem", "failure", "read_answer", "redact",
+           "refusal", "retry_after", "split_credentials"]
 
 log = logging.getLogger("guard")
 
@@ -78,15 +79,30 @@ def retry_after(response: httpx.Response) -> float | None:
     return min(max(seconds, 0.0), _RETRY_AFTER_MAX_S)
 
 
+def _under(error: BaseException, wanted: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception of `error`'s chain (itself, then what caused it) that is `wanted`:
+    httpx keeps the OS's and ssl's errors a few causes down."""
+    seen: BaseException | None = error
+    while seen is not None and not wanted(seen):
+        seen = seen.__cause__ or seen.__context__
+    return seen
+
+
 def certificate_problem(error: BaseException) -> str | None:
     """Why the server's TLS certificate was refused, when that is what `error` is: a wrong
     name or an unknown issuer does not heal by retrying."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, ssl.SSLCertVerificationError):
-            return str(seen.verify_message or seen)
-        seen = seen.__cause__ or seen.__context__
-    return None
+    seen = _under(error, lambda e: isinstance(e, ssl.SSLCertVerificationError))
+    if not isinstance(seen, ssl.SSLCertVerificationError):
+        return None
+    return str(seen.verify_message or seen)
+
+
+def failure(error: BaseException) -> str:
+    """`error` and the OS's reason under it ("ConnectError: ... (Connection refused)")."""
+    inner = _under(error, lambda e: isinstance(e, OSError) and bool(e.errno))
+    code = inner.errno if isinstance(inner, OSError) else None  # < 0: a getaddrinfo error
+    os_error = os.strerror(code) if code and code > 0 else getattr(inner, "strerror", None)
+    return f"{type(error).__name__}: {error}" + (f" ({os_error})" if os_error else "")
 
 
 def refusal(where: str, count: int, answer: Answer, *, token_sent: bool) -> str:
