@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import torch
@@ -246,14 +247,27 @@ FSDP2_CHECKS = {"padding_rows": padding_rows_under_fsdp2, "mask": mask_under_fsd
                 "nonfinite": nonfinite_under_fsdp2, "untrained": untrained_under_fsdp2}
 
 
+def finish(out: Path, rank: int, result: Any) -> NoReturn:
+    """Write this rank's result and end the process without Python's finalisation. Gloo's
+    worker thread drops its last reference to a finished collective a moment after the
+    caller's wait returns; when that reference holds a tensor it takes the GIL, and if the
+    interpreter is finalising by then the thread exits inside a C++ destructor: "terminate
+    called without an active exception", SIGABRT (seen in ~1 run in 3 on a loaded 2-core
+    machine, after every result was written; a core dump shows the gloo runLoop in
+    ~AsyncAllgatherCoalescedWork). That is torch's shutdown race, not the guard's: the
+    results are written and flushed first, so skipping finalisation loses nothing."""
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     rank = dist.get_rank()
     if mode == "fsdp2-checks":
-        results = {name: check() for name, check in FSDP2_CHECKS.items()}
-        (out / f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
-        return
+        finish(out, rank, {name: check() for name, check in FSDP2_CHECKS.items()})
     counts = {"all_reduce": 0, "read": 0, "other_collectives": 0}
     count_calls(dist, "all_reduce", counts, "all_reduce")
     for name in ("broadcast", "all_gather", "all_gather_into_tensor", "reduce", "barrier",
@@ -286,8 +300,7 @@ def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
         result.update(raised_at=step, check=e.check, step=e.step, violation_rank=e.rank,
                       message=str(e))
     result["counts"] = counts
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    finish(out, rank, result)
 
 
 if __name__ == "__main__":
