@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +62,13 @@ class Prometheus:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    # One client for every query: a new httpx client loads the CA bundle (~30 ms), which a
+    # test that polls or runs a few hundred queries paid each time.
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=5.0), repr=False)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """Evaluate an instant query; return its `data.result` list."""
-        reply = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=5.0)
+        reply = self.client.get(f"{self.url}/api/v1/query", params={"query": expr})
         reply.raise_for_status()
         result: list[dict[str, Any]] = reply.json()["data"]["result"]
         return result
@@ -130,7 +133,7 @@ def _ready(prom: Prometheus, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and prom.process.poll() is None:
         try:
-            if httpx.get(f"{prom.url}/-/ready", timeout=1.0).status_code == 200:
+            if prom.client.get(f"{prom.url}/-/ready", timeout=1.0).status_code == 200:
                 return True
         except httpx.TransportError:
             pass
@@ -181,6 +184,7 @@ def run_prometheus(
                 exited = prom.process.poll() is not None
             finally:
                 _stop(prom.process)
+                prom.client.close()
             if not exited:
                 break
         raise RuntimeError(f"prometheus did not become ready\n{prom.log_tail()}")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import httpx
-
 from guard_server.testing import Prometheus
 from tests.dashboards.queries import variable_queries
 
@@ -12,8 +10,8 @@ def offered_variables(prom: Prometheus, run_id: str) -> dict[str, set[str]]:
     """Per dashboard variable, the values its label_values query offers."""
     offered = {}
     for var in variable_queries(run_id=run_id):
-        reply = httpx.get(f"{prom.url}/api/v1/label/{var.label}/values",
-                          params={"match[]": var.selector}, timeout=5.0)
+        reply = prom.client.get(f"{prom.url}/api/v1/label/{var.label}/values",
+                                params={"match[]": var.selector})
         reply.raise_for_status()
         offered[var.name] = set(reply.json()["data"])
     return offered
@@ -21,6 +19,6 @@ def offered_variables(prom: Prometheus, run_id: str) -> dict[str, set[str]]:
 
 def loaded_alerts(prom: Prometheus) -> set[str]:
     """Names of the rules Prometheus loaded."""
-    reply = httpx.get(f"{prom.url}/api/v1/rules", timeout=5.0)
+    reply = prom.client.get(f"{prom.url}/api/v1/rules")
     reply.raise_for_status()
     return {r["name"] for g in reply.json()["data"]["groups"] for r in g["rules"]}
