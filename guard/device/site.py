@@ -18,6 +18,7 @@ from torch import nn
 from guard.device.hooks import Handle, wrap_loss
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.ops import mask_padding
+from guard.vocab.real import config_levels
 
 __all__ = ["LogitsSite", "Where", "changed", "find_logits", "find_loss", "loss_owner",
            "replace_logits", "transform_of"]
@@ -41,9 +42,7 @@ _TRANSFORMS: dict[str, float | None] = {
 def transform_of(model: nn.Module) -> str | None:
     """The config attribute (`config.<name>` = value) by which `model` changes its logits after
     the head, when it is one the guard knows; None otherwise."""
-    config = getattr(model, "config", None)
-    for prefix, cfg in (("config", config), ("config.text_config",
-                                             getattr(config, "text_config", None))):
+    for prefix, cfg in config_levels(getattr(model, "config", None)):
         for name, neutral in _TRANSFORMS.items():
             v = getattr(cfg, name, None)
             if isinstance(v, int | float) and not isinstance(v, bool) and v not in (0, neutral):

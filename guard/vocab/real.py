@@ -14,7 +14,7 @@ from typing import Any
 from guard.errors import AttachError, CheckpointError
 from guard.vocab.tokenizer_files import tokenizer_vocab
 
-__all__ = ["GIVE_IT", "Real", "checkpoint_dir", "find_real"]
+__all__ = ["GIVE_IT", "Real", "checkpoint_dir", "config_levels", "find_real"]
 
 # Configs that keep the unpadded size beside a padded `vocab_size` (HF's Inkling
 # `unpadded_vocab_size`, and the names conversions from other frameworks use).
@@ -63,12 +63,16 @@ def _int(x: object) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
 
 
+def config_levels(config: Any) -> list[tuple[str, Any]]:
+    """An HF config and, in a multimodal model, its text_config (where the language model's
+    settings are), each with the name a message gives it; none for a model without one."""
+    levels = [("config", config), ("config.text_config", getattr(config, "text_config", None))]
+    return [(prefix, cfg) for prefix, cfg in levels if cfg is not None]
+
+
 def _from_config(config: Any, rows: int) -> tuple[int, str] | None:
     """An unpadded size the config keeps beside the padded one (or inside text_config)."""
-    for prefix, cfg in (("config", config), ("config.text_config",
-                                             getattr(config, "text_config", None))):
-        if cfg is None:
-            continue
+    for prefix, cfg in config_levels(config):
         for name in _CONFIG_REAL:
             n = _int(getattr(cfg, name, None))
             if n is not None and n <= rows:
