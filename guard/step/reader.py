@@ -70,7 +70,10 @@ class Reader:
         record.add(verdict)
         # No repair at detach: nothing trains after it, and a repair may be a collective
         # that a rank detaching alone would wait on forever.
-        for check in {v.check for v in verdict.violations if v.action is Action.REPAIR}:
+        # The violations' order (the table's), never a set's: repairs may be collectives, and
+        # str hashing differs per process, so a set could order them apart across ranks.
+        for check in dict.fromkeys(v.check for v in verdict.violations
+                                   if v.action is Action.REPAIR):
             if (repair := self._repairs.get(check)) is not None and when != "detach":
                 repair()
         skip = False

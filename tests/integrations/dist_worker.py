@@ -9,7 +9,8 @@ the guard attached to the wrapper or to its `.module`), `fsdp2` (nanoGPT under F
 `fully_shard`, each Block then the root: the weights are DTensors sharded by rows). Rank 1
 alone feeds a ghost label at step 3; every rank writes OUT_DIR/rank<N>.json with the
 step it raised at, the violation's data, its collective counts and its /metrics endpoint.
-MODE `fsdp2-checks` runs the other checks under FSDP2 instead (FSDP2_CHECKS), one entry each.
+MODE `fsdp2-checks` runs the other checks under FSDP2 instead (FSDP2_CHECKS), one entry each;
+`repair-order` two repairs at one read under FSDP2, the ranks under different hash seeds.
 """
 
 from __future__ import annotations
@@ -243,6 +244,43 @@ def untrained_under_fsdp2() -> dict[str, Any]:
     return out
 
 
+def both_repairs_at_one_read() -> dict[str, Any]:
+    """padding_rows and untrained_rows repair at the same read, each a collective under FSDP2
+    (the sums of the rows its mean is taken over; the ids used, max-combined): garbage written
+    into the padding rows and an untrained id used on each rank at step 2. The
+    ranks run under different PYTHONHASHSEEDs (the test's), so an order taken from a set of
+    check names would differ between them."""
+    untrained, used = list(range(60, 70)), {0: 61, 1: 66}
+    model = nanogpt(garbage=None)  # 128 rows, real 100: rank 1 holds the padding rows
+    with torch.no_grad():
+        model.lm_head.weight[untrained] = 0.0  # tied: wte's rows too
+    sharded(model)
+    weight: Any = model.lm_head.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the rows stay as the repairs left them
+    repair = policy(padding_rows={"action": "repair"})
+    with guard.attach(model, policy=repair, vocab_size=100, optimizer=opt) as g:
+        for step in (1, 2):  # step 1 trains on trained ids only (FSDP2 sets itself up)
+            x, y = rank_batch(step, dist.get_rank())
+            x, y = x % 60, y % 60
+            if step == 2:
+                x[0, 0] = used[dist.get_rank()]
+            model(x, y)[1].backward()
+            if step == 2 and dist.get_rank() == 1:
+                with torch.no_grad():
+                    weight.to_local()[100 - 64 :] = 1e3  # global rows [100, 128)
+            opt.step()  # step 2's read: both checks fire, both repair
+    full = weight.full_tensor()
+    trained = torch.ones(100, dtype=torch.bool)
+    trained[untrained] = False
+    return {"violations": g.stats["violations"],
+            "untrained_repaired": [i for i in (61, 66) if torch.allclose(
+                full[i], full[:100][trained].mean(dim=0), atol=1e-6)],
+            # padding_rows repairs after untrained_rows (the table's order): the mean of the
+            # real rows as that repair left them.
+            "padding_repaired": bool(torch.allclose(
+                full[100:], full[:100].mean(dim=0).expand(28, -1), atol=1e-6))}
+
+
 FSDP2_CHECKS = {"padding_rows": padding_rows_under_fsdp2, "mask": mask_under_fsdp2,
                 "nonfinite": nonfinite_under_fsdp2, "untrained": untrained_under_fsdp2}
 
@@ -268,6 +306,8 @@ def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
     rank = dist.get_rank()
     if mode == "fsdp2-checks":
         finish(out, rank, {name: check() for name, check in FSDP2_CHECKS.items()})
+    if mode == "repair-order":
+        finish(out, rank, both_repairs_at_one_read())
     counts = {"all_reduce": 0, "read": 0, "other_collectives": 0}
     count_calls(dist, "all_reduce", counts, "all_reduce")
     for name in ("broadcast", "all_gather", "all_gather_into_tensor", "reduce", "barrier",
@@ -304,4 +344,11 @@ def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
 
 
 if __name__ == "__main__":
+    # GUARD_TEST_HASHSEEDS="a,b": rank r re-executes itself under PYTHONHASHSEED of the r-th
+    # (the seed is read when the interpreter starts; torchrun gives both ranks one environment).
+    seeds = os.environ.get("GUARD_TEST_HASHSEEDS", "").split(",")
+    mine = seeds[int(os.environ.get("LOCAL_RANK", "0"))] if len(seeds) > 1 else None
+    if mine is not None and os.environ.get("PYTHONHASHSEED") != mine:
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "PYTHONHASHSEED": mine})
     main(Path(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])

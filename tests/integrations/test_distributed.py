@@ -41,13 +41,14 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-def run_ranks(tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]], int]:
+def run_ranks(tmp_path: Path, mode: str,
+              env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], int]:
     """Both ranks' results, and the first /metrics port."""
     serve = free_ports(2)  # port + LOCAL_RANK for each rank
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_ports(1)),
            "--rdzv-id", RUN_ID, str(WORKER), str(tmp_path), str(serve), mode]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     # Its own session, so a hang is killed whole: torchrun and both ranks.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
@@ -201,3 +202,34 @@ def test_fsdp2_untrained_rows_are_found_whole_and_repaired_where_any_rank_used_t
         assert res["stats"]["untrained_rows"] == {"embedding": 8, "lm_head": 8}
         assert res["stats"]["untrained_tokens"] == {"input": 1, "label": 0}  # this rank's
         assert res["stats"]["violations"] == {"untrained_rows": {"repair": 1}}
+
+
+def hash_seeds_that_order_two_names_apart(first: str, second: str) -> tuple[int, int]:
+    """Two PYTHONHASHSEEDs under which a set built from `first` then `second` iterates in
+    different orders (str hashing is randomised per process)."""
+    code = f"s = set(); s.add({first!r}); s.add({second!r}); print(*s)"
+    orders: dict[str, int] = {}
+    for seed in range(64):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": str(seed)}, check=True)
+        orders.setdefault(done.stdout.strip(), seed)
+        if len(orders) == 2:
+            a, b = orders.values()
+            return a, b
+    raise AssertionError("no two seeds order the names apart")
+
+
+@pytest.mark.slow
+@DIST
+def test_repairs_at_one_read_run_in_the_same_order_on_every_rank(tmp_path: Path) -> None:
+    # Both repairs are collectives under FSDP2; ranks whose hash seeds order a set of check
+    # names apart would run them in different orders (mismatched all-reduces: a hang or
+    # wrong rows) if the reader took their order from a set.
+    seeds = hash_seeds_that_order_two_names_apart("untrained_rows", "padding_rows")
+    results, _ = run_ranks(tmp_path, "repair-order",
+                           {"GUARD_TEST_HASHSEEDS": ",".join(map(str, seeds))})
+    for res in results:
+        assert res["violations"] == {"untrained_rows": {"repair": 1},
+                                     "padding_rows": {"repair": 1}}
+        assert res["untrained_repaired"] == [61, 66]
+        assert res["padding_repaired"]
