@@ -1,5 +1,6 @@
-"""The Guard and `attach()`: a thin front over the device probe (guard/device/), the step
-clock and the reader (guard/step/) and the sinks (guard/sinks/)."""
+"""The Guard and `attach()`: a thin front over the device probe (guard/device/), the stateful
+checks' states (guard/stateful/), the step clock and the reader (guard/step/) and the sinks
+(guard/sinks/)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from guard.device.compile import drop_compiled
 from guard.device.hooks import Handle, hook
 from guard.device.loss import LossShares
 from guard.device.probe import Probe, mask_hook
-from guard.device.rows import suppress_padding_ids
 from guard.device.sharded import register_sharded
 from guard.errors import AttachError, GuardViolation
 from guard.policy import Action, Policy
 from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
+from guard.stateful import Attaching, Finding, attach_states
 from guard.step.clock import StepClock, Steps
 from guard.step.episodes import Episodes
 from guard.step.reader import Names, Reader
@@ -50,15 +51,15 @@ class Guard:
                  loss_scale: float = 1.0, tokenizer: Any = None) -> None:
         self._model, self._heads, self._policy, self._sizes = model, heads, policy, sizes
         self._optimizer = optimizer
-        self._probe = Probe.from_policy(policy, sizes, heads, rank=rank, tokenizer=tokenizer,
-                                        model=model, loss_shares=loss_shares,
-                                        loss_scale=loss_scale)
+        self._probe = Probe.from_policy(policy, sizes, heads, rank=rank,
+                                        loss_shares=loss_shares, loss_scale=loss_scale)
+        # One state per stateful check, in the table's order: probe, reader and guard share it.
+        self._states = attach_states(Attaching(policy, self._probe.flags, heads, sizes, model,
+                                               rank, tokenizer))
         self._record = Record.from_policy(policy, sizes.audit, rank)
         self._episodes = Episodes.from_policy(policy, model)
-        rows = self._probe.rows
-        names = Names(heads.lm_head_name, rows.names if rows is not None else "the padding rows")
-        reader = Reader(policy, sizes, names, self._record, self._episodes, self._probe.repairs(),
-                        self._probe.details())
+        reader = Reader(policy, sizes, Names(heads.lm_head_name), self._record, self._episodes,
+                        self._states)
         self._clock = StepClock.from_policy(policy, self._probe, reader, optimizer=optimizer,
                                             steps=steps)
         self._handles: list[Handle] = []  # every hook of this guard, in one list
@@ -99,6 +100,12 @@ class Guard:
         return self._record.rank
 
     # -- what it found -----------------------------------------------------------------------
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        """The rows the stateful checks found at attach (untrained_rows: the rows of the real
+        vocab never trained, per weight, with their ids and why), in the checks' order."""
+        return tuple(f for s in self._states for f in s.findings())
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -147,13 +154,14 @@ class Guard:
         if self._clock.boundary != "optimizer":
             self._clock.mark()
 
-    def repair_padding_rows(self) -> None:
-        """Under `padding_rows: repair`, the padding rows set to the mean of the real rows now,
-        for what runs after the guard (the callbacks call it at the end of training). A
-        collective under FSDP2, so every rank calls it; nothing under another action."""
-        repair = self._probe.repairs().get("padding_rows")
-        if repair is not None and self._policy.action("padding_rows") is Action.REPAIR:
-            repair()
+    def repair(self) -> None:
+        """What each check under `repair` repairs, now, for what runs after the guard (the
+        callbacks call it at the end of training): the padding rows set to the mean of the real
+        rows, the untrained rows of the ids used to the mean of the trained ones. Collectives
+        when distributed, so every rank calls it; nothing under another action."""
+        for state in self._states:
+            if self._policy.action(state.check_name) is Action.REPAIR:
+                state.repair()
 
     def detach(self, *, keep_mask: bool = False) -> None:
         """Remove every hook, report the last values, close the sinks. Idempotent.
@@ -222,15 +230,17 @@ class Guard:
             raise error
         # Everything that can refuse first; what changes the model last (a refused attach
         # leaves weights, generation_config and hooks as they were).
-        self._handles += self._probe.install(self._model, self._heads)
+        self._handles += self._probe.install(self._model, self._heads, self._states)
         self._handles += self._clock.install(self._model, self._optimizer)
         if self._episodes is not None and self._optimizer is not None:
             self._handles += self._episodes.install(self._probe)
-        if (u := self._probe.untrained) and (said := u.attach_message(self.rank)):  # logged
-            self._record.note(Note("untrained_rows", u.policy.action("untrained_rows"), 0, said))
+        for state in self._states:  # what each found, in the report and the log
+            if (said := state.attach_note(self.rank)) is not None:
+                check = state.check_name
+                self._record.note(Note(check, self._policy.action(check), 0, said))
         self._clock.start()  # the weights' rows as they are before step 1 (a repair, or a fail)
-        if self._policy.action("padding_rows") is Action.REPAIR:
-            suppress_padding_ids(self._model, self.real, self.rows)  # global ids, sharded or not
+        for state in self._states:
+            state.after_attach(self._model)
         _ATTACHED[self._model] = weakref.ref(self)
         if drop_compiled():
             log.info("guard: dropped torch.compile's cached graphs, which may run this model "

@@ -4,27 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from guard.checks import token_range
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, listed
 from guard.policy import Policy
+from guard_server.wire import TENSORS, TensorKind
 
-__all__ = ["HIDDEN", "LOGITS", "LOSS", "SLOTS", "SPEC", "Nonfinite", "Tensor"]
-
-Tensor = Literal["hidden", "logits", "loss"]
+__all__ = ["HIDDEN", "LOGITS", "LOSS", "SLOTS", "SPEC", "Nonfinite"]
 
 HIDDEN = Slot("nonfinite.hidden")  # non-finite values in the lm_head input
 LOGITS = Slot("nonfinite.logits")  # positions whose real-vocab logits hold a NaN or +Inf
 LOSS = Slot("nonfinite.loss")  # non-finite losses
-# In the order of the message: cause first.
-SLOTS: Mapping[Tensor, Slot] = {"hidden": HIDDEN, "logits": LOGITS, "loss": LOSS}
-_NAMES = {"hidden": "lm_head input", "logits": "real-vocab logits", "loss": "loss"}
+# Per tensor (the wire's TensorKind), in the order of the message: cause first.
+SLOTS: Mapping[TensorKind, Slot] = {"hidden": HIDDEN, "logits": LOGITS, "loss": LOSS}
+_NAMES: Mapping[TensorKind, str] = {"hidden": "lm_head input", "logits": "real-vocab logits",
+                                    "loss": "loss"}
 
 
 @dataclass(frozen=True)
 class Nonfinite:
-    counts: Mapping[str, int]  # per tensor (hidden, logits, loss), as on the wire
+    counts: Mapping[TensorKind, int]  # per tensor, cause first
 
 
 def _figures(raw: Raw) -> Nonfinite:
@@ -37,7 +36,7 @@ def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
 
 def _stats(f: Nonfinite) -> Stats:
     # The wire's order (logits, hidden, loss), as g.stats has always shown it.
-    return {"nonfinite": {k: f.counts[k] for k in ("logits", "hidden", "loss")}}
+    return {"nonfinite": {k: f.counts[k] for k in TENSORS}}
 
 
 def _describe(f: Nonfinite, c: Context) -> Found:

@@ -1,6 +1,7 @@
 """padding_rows: the padding rows [real, rows) of the embedding and lm_head weights, at attach
 and at each read: non-finite values, or a norm far above the largest real row's (what an
-uninitialised resize leaves). The rows are read and repaired by guard/device/rows.py."""
+uninitialised resize leaves). Its state (guard/stateful/padding_rows.py) reads and repairs the
+rows (guard/device/rows.py) and names the weights in the message (`Context.detail`)."""
 
 from __future__ import annotations
 
@@ -11,27 +12,28 @@ from guard.checks import nonfinite
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, fmt
 from guard.policy import Action, Policy
 
-__all__ = ["NONFINITE", "RATIO", "SPEC", "PaddingRows"]
+__all__ = ["NONFINITE", "RATIO", "SPEC", "PaddingRowsFigures"]
 
 NONFINITE = Slot("padding_rows.nonfinite")  # non-finite values in the padding rows
 RATIO = Slot("padding_rows.ratio", "max")  # their largest norm / the largest real row's
 
 
 @dataclass(frozen=True)
-class PaddingRows:
+class PaddingRowsFigures:
     nonfinite: int
     ratio: float  # inf where a padding row is non-finite or the real rows are all zero
 
 
-def _figures(raw: Raw) -> PaddingRows:
-    return PaddingRows(int(raw[NONFINITE]), raw[RATIO])
+def _figures(raw: Raw) -> PaddingRowsFigures:
+    return PaddingRowsFigures(int(raw[NONFINITE]), raw[RATIO])
 
 
 def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     return {NONFINITE: 0.0, RATIO: policy.checks.padding_rows.factor}
 
 
-def _describe(f: PaddingRows, c: Context) -> Found:
+def _describe(f: PaddingRowsFigures, c: Context) -> Found:
+    weights = c.detail or "the padding rows"
     factor = c.policy.checks.padding_rows.factor
     seen = ", ".join(part for part in (
         f"{f.nonfinite} non-finite values" if f.nonfinite else "",
@@ -49,12 +51,12 @@ def _describe(f: PaddingRows, c: Context) -> Found:
                 "the rows are left as they are (action: repair)"
                 if c.policy.action("padding_rows") is Action.REPAIR else c.next)
         return Found(value, factor, kind="diverged", text=(
-            f"rows [{c.real}, {c.rows}) of {c.weights}: {seen}, and the real-vocab logits or "
+            f"rows [{c.real}, {c.rows}) of {weights}: {seen}, and the real-vocab logits or "
             "the lm_head input are non-finite (see nonfinite): the weights diverged, which no "
             f"resize explains; {then}. Find the first non-finite step (nonfinite names the "
             "module) and restart from a checkpoint before it."))
     return Found(value, factor, kind=kind, text=(
-        f"rows [{c.real}, {c.rows}) of {c.weights}: {seen}, expected "
+        f"rows [{c.real}, {c.rows}) of {weights}: {seen}, expected "
         f"finite and <= {factor:g}x: what an uninitialised resize leaves, which poisons the "
         f"logits wherever the mask is not (evaluation, generation, a saved checkpoint); "
         f"{c.next}.{fix}"))

@@ -3,19 +3,26 @@ it needs, its figures on the host and on the wire, and the message of a violatio
 
 Pure Python: no tensor, no hook. The flags tensor lays its slots out from the specs
 (guard/device/flags.py), the verdict iterates them (guard/step/verdict.py) and the record takes
-their figures (guard/step/record.py); nothing else needs to know that a check exists.
+their figures (guard/step/record.py). Besides its spec, a check is its policy model, its name
+on the wire and the device code that writes its slots; a check that keeps state from attach
+on is one object besides (guard/stateful/). docs/architecture.md lists the files each kind
+touches, and tests/test_architecture.py counts them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from guard.policy import Policy
+from guard_server.wire import CheckName
 
-__all__ = ["Context", "Figures", "Found", "Gauges", "Raw", "Reduce", "SeenKind", "Setup", "Slot",
-           "Spec", "Stats", "Watching", "fmt", "listed"]
+__all__ = ["Context", "Figures", "Found", "Gauges", "Name", "Raw", "Reduce", "SeenKind", "Setup",
+           "Slot", "Spec", "Stats", "Watching", "fmt", "listed"]
+
+# A spec's name: a check's (the policy's key and the wire's), or the loss the checks share.
+Name = CheckName | Literal["loss"]
 
 # How a slot accumulates within a read window, and combines over ranks (all-reduce MAX) and
 # over two windows read at once (a lagged read still queued).
@@ -23,12 +30,13 @@ Reduce = Literal["sum", "max", "last"]
 # What a training step must show the guard for the per-step checks to see anything (coverage).
 SeenKind = Literal["logits", "inputs", "labels", "loss"]
 # Per kind of data, the enabled checks that need it; empty where coverage is off.
-Watching = Mapping[SeenKind, tuple[str, ...]]
+Watching = Mapping[SeenKind, tuple[CheckName, ...]]
 # A check's figures in `g.stats` and on the wire, named as there: a gauge (a float, None when
 # the window measured nothing) or counts per kind, added up since attach.
-Stats = Mapping[str, float | Mapping[str, int] | None]
+Stats = Mapping[str, float | Mapping[Any, int] | None]
 
 F = TypeVar("F")
+K = TypeVar("K", bound=str)
 
 
 class Gauges(dict[str, int]):
@@ -81,11 +89,12 @@ class Context:
     real: int  # the real vocab, clipped to the rows
     rows: int  # rows of the whole vocab
     head: str  # the head's name in the model
-    weights: str  # the weights whose padding rows are checked, by name
     crossed: frozenset[Slot]  # the slots past their threshold on some rank
     watching: Watching
     real_from: str = ""  # where the real vocab came from: "len(tokenizer)", "vocab_size=", ...
-    detail: str = ""  # what the host side adds to this check's message (the ids and tokens)
+    # What the check's state adds on the host (guard/stateful/): the ids and their tokens, the
+    # weights it read; "" where the check keeps none.
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,7 @@ def _no_stats(figures: object) -> Stats:
 class Spec(Generic[F]):
     """A per-step check (or, without `describe`, a figure the checks share: the loss)."""
 
-    name: str  # the check's name in the policy and on the wire
+    name: Name  # the check's name in the policy and on the wire
     slots: tuple[Slot, ...]
     figures: Callable[[Raw], F]  # its figures of one window, from its slots
     # The slots that make it fire, and the value above which they do.
@@ -126,13 +135,21 @@ class Spec(Generic[F]):
     def is_check(self) -> bool:
         return self.describe is not None
 
+    @property
+    def check(self) -> CheckName:
+        """Its name as a check: the key the policy and the wire know it by."""
+        name = self.name
+        if name == "loss":
+            raise TypeError("the loss spec is a figure the checks share, not a check")
+        return name
+
 
 def fmt(x: float) -> str:
     """A figure in a message: three significant digits, more for large or odd values."""
     return f"{x:.3g}" if x == x and abs(x) < 1e4 else f"{x:.4g}"
 
 
-def listed(counts: Mapping[str, int], each: str, sep: str) -> tuple[str, float]:
+def listed(counts: Mapping[K, int], each: str, sep: str) -> tuple[str, float]:
     """The non-zero counts as text (`each` formats one, with {n} and {k}) and their total."""
     parts = [(k, n) for k, n in counts.items() if n > 0]
     return sep.join(each.format(n=n, k=k) for k, n in parts), float(sum(n for _, n in parts))

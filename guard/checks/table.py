@@ -19,6 +19,7 @@ from guard.checks import (
 )
 from guard.checks.spec import SeenKind, Spec, Watching
 from guard.policy import Policy
+from guard_server.wire import CheckName
 
 __all__ = ["CHECKS", "SPECS", "watching"]
 
@@ -34,9 +35,9 @@ def watching(policy: Policy) -> Watching:
     """Per kind of data, the enabled checks that need it; {} where coverage is off."""
     if not policy.enabled("coverage"):
         return {}
-    out: dict[SeenKind, tuple[str, ...]] = {}
+    out: dict[SeenKind, tuple[CheckName, ...]] = {}
     for spec in CHECKS:
-        if policy.enabled(spec.name):
+        if policy.enabled(spec.check):
             for kind in spec.needs:
-                out[kind] = (*out.get(kind, ()), spec.name)
+                out[kind] = (*out.get(kind, ()), spec.check)
     return out

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, listed
 from guard.policy import Policy
+from guard_server.wire import ID_KINDS, IdKind
 
-__all__ = ["INPUT", "LABEL", "NEGATIVE", "POSITIONS", "SLOTS", "SPEC", "TOP", "WIDTH", "Kind",
+__all__ = ["INPUT", "LABEL", "NEGATIVE", "POSITIONS", "SLOTS", "SPEC", "TOP", "WIDTH",
            "TokenRange"]
-
-Kind = Literal["input", "label"]
 
 # An id >= real and where it was, as one number a slot can max-combine over micro-batches
 # and ranks and a float64 holds exactly: id * POSITIONS + its flat position in the forward's
@@ -23,19 +21,19 @@ POSITIONS = 1 << 24
 INPUT = Slot("token_range.input")  # input ids outside [0, real)
 LABEL = Slot("token_range.label")  # labels outside [0, real), ignore index exempt
 NEGATIVE = Slot("token_range.negative")  # of those labels, the ones below 0
-SLOTS: Mapping[Kind, Slot] = {"input": INPUT, "label": LABEL}
+SLOTS: Mapping[IdKind, Slot] = {"input": INPUT, "label": LABEL}
 # Per kind, the highest id >= real with its position, and the last dimension of the ids it was
 # in (the position as [row, column]).
-TOP: Mapping[Kind, Slot] = {k: Slot(f"token_range.top_{k}", "max") for k in SLOTS}
-WIDTH: Mapping[Kind, Slot] = {k: Slot(f"token_range.width_{k}", "max") for k in SLOTS}
+TOP: Mapping[IdKind, Slot] = {k: Slot(f"token_range.top_{k}", "max") for k in ID_KINDS}
+WIDTH: Mapping[IdKind, Slot] = {k: Slot(f"token_range.width_{k}", "max") for k in ID_KINDS}
 
 
 @dataclass(frozen=True)
 class TokenRange:
-    counts: Mapping[str, int]  # ids out of range per kind (input, label), as on the wire
+    counts: Mapping[IdKind, int]  # ids out of range per kind, as on the wire
     negative_labels: int
     max_id: int  # the highest id >= real of either kind; 0 when none
-    where: Mapping[str, str]  # per kind, the highest such id and its position, as text
+    where: Mapping[IdKind, str]  # per kind, the highest such id and its position, as text
 
 
 def _where(key: float, width: float) -> tuple[int, str]:

@@ -1,54 +1,50 @@
 """untrained_rows: rows of the real vocabulary [0, real) that were never trained (the rules:
-guard/vocab/untrained_rules.py; found at attach by guard/vocab/untrained.py), and the input ids
-and labels that fall on them in a step (guard/device/untrained.py counts them with a lookup
-table on the device)."""
+guard/vocab/untrained_rules.py), and the input ids and labels that fall on them in a step. Its
+state (guard/stateful/untrained_rows.py) finds the rows at attach, counts the ids with lookup
+tables on the device (guard/device/untrained_tables.py), repairs the rows and names the ids."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from guard.checks.spec import Context, Found, Gauges, Raw, Setup, Slot, Spec, Stats, listed
 from guard.policy import Action, Policy
+from guard_server.wire import WEIGHTS, IdKind, WeightName
 
-__all__ = ["INPUT", "LABEL", "LEFT", "NEW", "READ", "SLOTS", "SPEC", "Kind", "Untrained",
-           "Weight"]
-
-Kind = Literal["input", "label"]
-Weight = Literal["embedding", "lm_head"]
+__all__ = ["INPUT", "LABEL", "LEFT", "NEW", "READ", "SLOTS", "SPEC", "UntrainedFigures"]
 
 INPUT = Slot("untrained_rows.input")  # input ids on rows of the embedding never trained
 LABEL = Slot("untrained_rows.label")  # labels on rows of the head (tied: the embedding) alike
-SLOTS: Mapping[Kind, Slot] = {"input": INPUT, "label": LABEL}
+SLOTS: Mapping[IdKind, Slot] = {"input": INPUT, "label": LABEL}
 # Ids used since attach that no message has named yet: the host reads which only when this is
-# non-zero (guard/vocab/untrained.py), never at a step that brings nothing new.
+# non-zero (the state's detail), never at a step that brings nothing new.
 NEW = Slot("untrained_rows.new", "max")
 READ = Slot("untrained_rows.read", "max")  # 1 when the rows left were written this window
 # Per weight, the untrained rows not repaired yet (a tied head: the embedding's, named twice).
-LEFT: Mapping[Weight, Slot] = {w: Slot(f"untrained_rows.{w}", "last", written=READ)
-                               for w in ("embedding", "lm_head")}
+LEFT: Mapping[WeightName, Slot] = {w: Slot(f"untrained_rows.{w}", "last", written=READ)
+                                   for w in WEIGHTS}
 
 
 @dataclass(frozen=True)
-class Untrained:
-    counts: Mapping[str, int]  # ids that fell on untrained rows, per kind (input, label)
-    rows: Mapping[str, int] | None  # untrained rows left per weight; None: not checked
+class UntrainedFigures:
+    counts: Mapping[IdKind, int]  # ids that fell on untrained rows, per kind
+    rows: Mapping[WeightName, int] | None  # untrained rows left per weight; None: not checked
     new: int  # ids used that no message has named yet
 
 
-def _figures(raw: Raw) -> Untrained:
-    rows: dict[str, int] | None = ({w: int(raw[slot]) for w, slot in LEFT.items()}
-                                   if raw[READ] else None)
-    return Untrained({k: int(raw[slot]) for k, slot in SLOTS.items()}, rows, int(raw[NEW]))
+def _figures(raw: Raw) -> UntrainedFigures:
+    rows = {w: int(raw[slot]) for w, slot in LEFT.items()} if raw[READ] else None
+    return UntrainedFigures({k: int(raw[slot]) for k, slot in SLOTS.items()}, rows,
+                            int(raw[NEW]))
 
 
 def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     return dict.fromkeys(SLOTS.values(), 0.0)
 
 
-def _stats(f: Untrained) -> Stats:
-    return {"untrained_rows": None if f.rows is None else Gauges(f.rows),
+def _stats(f: UntrainedFigures) -> Stats:
+    return {"untrained_rows": None if f.rows is None else Gauges(f.rows.items()),
             "untrained_tokens": dict(f.counts)}
 
 
@@ -66,7 +62,7 @@ def _then(action: Action) -> str:
             f"them is counted (untrained_tokens). {fix}")
 
 
-def _describe(f: Untrained, c: Context) -> Found:
+def _describe(f: UntrainedFigures, c: Context) -> Found:
     seen, total = listed({("labels" if k == "label" else "input ids"): n
                           for k, n in f.counts.items()}, "{n} {k}", " and ")
     which = c.detail or "the ids named when they were first used"

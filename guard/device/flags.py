@@ -33,7 +33,7 @@ def thresholds(policy: Policy, real: int = 1, columns: int = 1,
     setup = Setup(watching(policy), real, columns)
     out: dict[Slot, float] = {}
     for spec in layout.specs:
-        if spec.is_check and policy.enabled(spec.name):
+        if spec.is_check and policy.enabled(spec.check):
             out.update(spec.thresholds(policy, setup))
     return out
 

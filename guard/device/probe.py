@@ -4,64 +4,56 @@ it at a boundary. Nothing in a hook reads a tensor to the host."""
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from guard.checks import coverage, nonfinite, token_range
+from guard.checks import coverage, nonfinite
 from guard.device.flags import Flags
 from guard.device.fused import FusedHead
 from guard.device.hooks import Handle, hook
+from guard.device.ids import IdHooks, IdWatcher
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.loss import LossShares, StepLoss
-from guard.device.ops import mask_padding, nonfinite_count, out_of_range_parts, within_rows
+from guard.device.ops import mask_padding, nonfinite_count
 from guard.device.reading import Reading
-from guard.device.rows import PaddingRows
 from guard.device.site import LogitsSite, find_loss
 from guard.policy import Policy
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
-from guard.vocab.untrained import Untrained, find_untrained
 
-__all__ = ["Probe", "find_loss", "labels_position", "mask_hook"]
+__all__ = ["Probe", "Watched", "find_loss", "mask_hook"]
 
 log = logging.getLogger("guard")
 
-_LABEL_KWARGS = ("labels", "targets")
 
+class Watched(IdWatcher, Protocol):
+    """What the probe asks of a stateful check's state (guard/stateful/state.py)."""
 
-def labels_position(model: nn.Module) -> int | None:
-    """Index in *args of a `labels` / `targets` parameter of model.forward, if any."""
-    try:
-        params = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    return next((i for i, name in enumerate(params) if name in _LABEL_KWARGS), None)
+    @property
+    def reads_weights(self) -> bool: ...
+
+    @property
+    def reads_at_attach(self) -> bool: ...
+
+    def check(self) -> None: ...
 
 
 class Probe:
     """Hooks that add reductions to the flags and feed the model's loss to the step's loss;
     `install` returns their handles (the guard owns and removes them)."""
 
-    def __init__(self, cfg: ProbeConfig, flags: Flags, loss: StepLoss,
-                 rows: PaddingRows | None = None, untrained: Untrained | None = None) -> None:
+    def __init__(self, cfg: ProbeConfig, flags: Flags, loss: StepLoss) -> None:
         self.cfg = cfg
         self.flags = flags
         self.loss = loss
-        self.rows = rows  # the padding rows of the weights, checked before each read
-        self.untrained = untrained  # the real vocab's rows never trained, found at attach
-        # Its lookup tables count the ids in the hooks that read them for token_range.
-        self._counts = None if untrained is None else untrained.device
-        # Per kind of id, the tables that count it, where any row it looks up is untrained.
-        self._input_counts, self._label_counts = (
-            self._counts if self._counts is not None and self._counts.watches(k) else None
-            for k in ("input", "label"))
         self.logits = Logits(cfg, flags)
-        self._label_pos: int | None = None
+        # The stateful checks' states, in the table's order: read before each flags read.
+        self.states: tuple[Watched, ...] = ()
+        self.ids = IdHooks(cfg, flags)
         # This forward's final hidden states, and whether it called the head: a forward that
         # computes its loss from the head's weight without calling it (a fused
         # linear-cross-entropy kernel) is measured from the hidden states instead.
@@ -74,16 +66,12 @@ class Probe:
 
     @classmethod
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
-                    loss_shares: LossShares = "last", loss_scale: float = 1.0,
-                    tokenizer: Any = None, model: nn.Module | None = None) -> Probe:
-        """`tokenizer` and `model` name the tokens of rows found untrained."""
+                    loss_shares: LossShares = "last", loss_scale: float = 1.0) -> Probe:
         device = next((p.device for p in heads.head_holder.parameters()), torch.device("cpu"))
         flags = Flags.from_policy(policy, device, rank, real=sizes.real_columns,
                                   columns=sizes.columns)
         loss = StepLoss.from_policy(policy, flags, shares=loss_shares, scale=loss_scale)
-        rows = PaddingRows.from_policy(policy, flags, heads, sizes.first_padding)
-        untrained = find_untrained(policy, flags, heads, sizes, tokenizer=tokenizer, model=model)
-        return cls(ProbeConfig.from_policy(policy, sizes), flags, loss, rows, untrained)
+        return cls(ProbeConfig.from_policy(policy, sizes), flags, loss)
 
     # -- at a boundary (the step clock) ------------------------------------------------------
 
@@ -93,9 +81,8 @@ class Probe:
 
     @property
     def reads_at_attach(self) -> bool:
-        """Something is checked before step 1: the padding rows of the weights, rows of the
-        real vocab found untrained (when none is, the first step's read says so)."""
-        return self.rows is not None or (self._counts is not None and self._counts.n > 0)
+        """Something is checked before step 1 (the weights' rows: padding, untrained)."""
+        return any(s.reads_at_attach for s in self.states)
 
     def end_step(self, step: int) -> None:
         """Step `step` ended: fold its loss, count what it did not see, move the sample."""
@@ -107,11 +94,11 @@ class Probe:
         self.flags.end_step()
 
     def read(self, *, lagged: bool, reduce: bool = True, weights: bool = True) -> Reading | None:
-        """The flags, after checking the weights' padding rows (device ops) when `weights`."""
-        if weights and self.rows is not None:
-            self.rows.check()
-        if self._counts is not None:
-            self._counts.check()
+        """The flags, after each state's reductions (device ops; those that read the weights
+        only when `weights`)."""
+        for state in self.states:
+            if weights or not state.reads_weights:
+                state.check()
         return self.flags.read(lagged=lagged, reduce=reduce)
 
     def flush(self) -> Reading | None:
@@ -126,29 +113,19 @@ class Probe:
         """A loss given by `g.step(loss)` (see StepLoss.record)."""
         self.loss.record(loss, given=True, fallback=fallback)
 
-    def repairs(self) -> dict[str, Callable[[], None]]:
-        """Per check, what its `repair` action does (the reader calls it at a violation)."""
-        out = {} if self.rows is None else {"padding_rows": self.rows.repair}
-        if self._counts is not None:
-            out["untrained_rows"] = self._counts.repair
-        return out
-
-    def details(self) -> dict[str, Callable[[Reading, bool], str]]:
-        """Per check, what the host adds to its message at a violation (the reader calls it
-        with the reading and whether it was combined over ranks)."""
-        return {} if self.untrained is None else {"untrained_rows": self.untrained.detail}
-
     # -- hooks -------------------------------------------------------------------------------
 
-    def install(self, model: nn.Module, heads: Heads) -> list[Handle]:
-        """Hooks for the enabled checks only: a check that is off costs nothing."""
-        self._label_pos = labels_position(model)
+    def install(self, model: nn.Module, heads: Heads,
+                states: Sequence[Watched] = ()) -> list[Handle]:
+        """Hooks for the enabled checks only (a check that is off costs nothing), and the
+        stateful checks' `states`, which count ids in the id hooks and read before each read."""
+        self.states = tuple(states)
+        self.ids = IdHooks(self.cfg, self.flags, self.states)
         self._head = heads.head_holder  # its weight: a fused loss is measured with it
         c = self.cfg
         handles: list[Handle] = [hook(model, self._model_pre, kind="forward_pre",
                                       compiled="eager", with_kwargs=True)]
-        if c.token_range or self._input_counts is not None:
-            handles += [hook(m, self._embedding_pre, kind="forward_pre") for m in heads.inputs]
+        handles += self.ids.install(model, heads.inputs)
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
         if c.padding_mass or c.mask or c.nonfinite:
@@ -162,25 +139,6 @@ class Probe:
         handles.append(hook(model, self._model_post, kind="forward", compiled="eager"))
         return handles
 
-    def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> Any:
-        if not (module.training and args and isinstance(args[0], torch.Tensor)):
-            return None
-        ids = args[0]
-        if ids.is_floating_point():  # embeddings of something else
-            return None
-        if self._input_counts is not None:
-            self._input_counts.count("input", ids)
-        if not self.cfg.token_range:
-            return None
-        self.flags.mark(coverage.SEEN["inputs"])
-        with torch.no_grad():
-            self._out_of_range("input", ids, None)
-            # An id with no row would end the step in an index error (on a GPU, a device-side
-            # assert that kills the process) before the guard could say anything: it is
-            # replaced by id 0 and counted, and the read says where it was.
-            safe = within_rows(ids, self.cfg.input_rows, 0)
-        return (safe, *args[1:])
-
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:
         self.site.begin(module.training)
@@ -189,47 +147,7 @@ class Probe:
             self.fused.on()
         if module.training:
             self._hidden, self._head_called = None, False
-        counts = self._label_counts if module.training else None
-        checked = module.training and self.cfg.token_range
-        if not (checked or fused or counts is not None):
-            return None
-        key = next((k for k in _LABEL_KWARGS if k in kwargs), None)
-        pos = self._label_pos if key is None else None
-        labels = kwargs[key] if key is not None else (
-            args[pos] if pos is not None and len(args) > pos else None)
-        if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
-            return None
-        if counts is not None:
-            counts.count("label", labels)
-        if not (checked or fused):
-            return None
-        ignore = self.cfg.ignore_index
-        with torch.no_grad():
-            if checked:
-                self.flags.mark(coverage.SEEN["labels"])
-                self._out_of_range("label", labels, ignore)
-            # As the embedding's ids: a label past the rows, which the loss would index out of
-            # bounds, becomes the ignore index (torch's and HF's -100 where the policy has
-            # none), counted above; with the fused head cut to the real rows, a label past
-            # them. Negative labels stay: they are the loss's own ignore value (HF -100,
-            # nanoGPT -1), or a setting the message names.
-            safe = within_rows(labels, self.cfg.real if fused else self.cfg.rows,
-                               -100 if ignore is None else ignore, negative=False)
-        if key is not None:
-            return args, {**kwargs, key: safe}
-        if pos is not None:
-            return (*args[:pos], safe, *args[pos + 1:]), kwargs
-        return None
-
-    def _out_of_range(self, kind: token_range.Kind, ids: torch.Tensor,
-                      ignore_index: int | None) -> None:
-        n, negative, top = out_of_range_parts(ids, self.cfg.real, ignore_index)
-        f = self.flags
-        f.put(token_range.SLOTS[kind], n)
-        if kind == "label":
-            f.put(token_range.NEGATIVE, negative)
-        f.put(token_range.TOP[kind], top)
-        f.put(token_range.WIDTH[kind], ids.shape[-1] if ids.dim() else 0)
+        return self.ids.labels(module.training, args, kwargs, fused=fused)
 
     def _head_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training and args and isinstance(args[0], torch.Tensor):

@@ -4,7 +4,7 @@ every spec's slots, one position each (guard/checks/)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from guard.checks import SPECS, Slot, Spec
@@ -94,6 +94,9 @@ class Reading:
     glob: Values
     over: Mapping[str, int | None]
     crossed: frozenset[Slot]
+    # Per check that fired, what its state adds to the message on the host (the reader fills
+    # it in, guard/step/reader.py): the ids and tokens, the weights read.
+    details: Mapping[str, str] = field(default_factory=dict)
 
     def fired_on(self, check: str) -> int | None:
         """The highest rank on which `check` crossed its threshold, or None."""

@@ -1,57 +1,51 @@
-"""The padding rows of the embedding and lm_head weights: checked on the device at attach and
-at each read, and repaired in place. O(padding rows x hidden) per check, no host read, no
-collective (FSDP2: each rank the rows it holds, guard/device/sharded.py); a repair, rare, is
-O(rows x hidden) and one all-reduce of a row under FSDP2."""
+"""The embedding's and the head's weights, each once (`vocab_weights`), and their padding rows:
+checked on the device at attach and at each read, and repaired in place (the padding_rows
+check's state, guard/stateful/padding_rows.py, calls them). O(padding rows x hidden) per check,
+no host read, no collective (FSDP2: each rank the rows it holds, guard/device/sharded.py); a
+repair, rare, is O(rows x hidden) and one all-reduce of a row under FSDP2."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
-from torch import nn
 
 from guard.checks import padding_rows
 from guard.device.flags import Flags
 from guard.device.sharded import RowShard
-from guard.policy import Policy
 from guard.vocab.discover import Heads
+from guard_server.wire import WEIGHTS, WeightName
 
-__all__ = ["HeadWeight", "PaddingRows", "Role", "head_weights", "suppress_padding_ids"]
-
-log = logging.getLogger("guard")
-
-Role = Literal["embedding", "lm_head"]
+__all__ = ["PaddingRows", "VocabWeight", "vocab_weights"]
 
 
 @dataclass(frozen=True)
-class HeadWeight:
+class VocabWeight:
     """A distinct 2-D weight of the embedding and the head (one when they are tied)."""
 
     name: str  # "wte.weight", or "wte.weight (tied: lm_head.weight)"
-    weight: torch.Tensor  # (rows, d)
+    tensor: torch.Tensor  # (rows, d): the parameter itself
     real: int  # its first padding row, in its own row numbers
-    roles: tuple[Role, ...]  # what it is: ("embedding",), ("lm_head",) or both when tied
+    roles: tuple[WeightName, ...]  # what it is: ("embedding",), ("lm_head",) or both when tied
 
 
-def head_weights(heads: Heads, firsts: tuple[int, int]) -> list[HeadWeight]:
+def vocab_weights(heads: Heads, firsts: tuple[int, int]) -> list[VocabWeight]:
     """The weights of the embedding and the head, each once (a tied one named twice: it is
     checked and repaired once); `firsts`: the first padding row of each (Sizes.first_padding)."""
-    out: list[HeadWeight] = []
+    out: list[VocabWeight] = []
     modules = (heads.embedding, heads.head_holder)
     names = (heads.embedding_name, heads.lm_head_name)
-    for role, name, module, real in zip(get_args(Role), names, modules, firsts, strict=True):
+    for role, name, module, real in zip(WEIGHTS, names, modules, firsts, strict=True):
         w = getattr(module, "weight", None)
         if not (isinstance(w, torch.Tensor) and w.dim() == 2):
             continue
-        tied = next((i for i, h in enumerate(out) if h.weight is w), None)
+        tied = next((i for i, h in enumerate(out) if h.tensor is w), None)
         if tied is None:
-            out.append(HeadWeight(f"{name}.weight", w, real, (role,)))
+            out.append(VocabWeight(f"{name}.weight", w, real, (role,)))
         else:
             h = out[tied]
-            out[tied] = HeadWeight(f"{h.name} (tied: {name}.weight)", w, real, (*h.roles, role))
+            out[tied] = VocabWeight(f"{h.name} (tied: {name}.weight)", w, real, (*h.roles, role))
     return out
 
 
@@ -74,15 +68,12 @@ class PaddingRows:
             self._reference = [s.largest_norm_below(real) for s, real in self._shards]
 
     @classmethod
-    def from_policy(cls, policy: Policy, flags: Flags, heads: Heads,
-                    firsts: tuple[int, int]) -> PaddingRows | None:
-        """None where the check is off or no weight has a padding row. `firsts`: the first
-        padding row of the embedding's and of the head's weight (Sizes.first_padding)."""
-        if not policy.enabled("padding_rows"):
-            return None
+    def of(cls, flags: Flags, heads: Heads, firsts: tuple[int, int]) -> PaddingRows | None:
+        """None where no weight has a padding row. `firsts`: the first padding row of the
+        embedding's and of the head's weight (Sizes.first_padding)."""
         head, names = heads.head_holder, (heads.embedding_name, heads.lm_head_name)
-        weights = [(h.name, h.weight, h.real) for h in head_weights(heads, firsts)
-                   if h.weight.shape[0] > h.real]
+        weights = [(h.name, h.tensor, h.real) for h in vocab_weights(heads, firsts)
+                   if h.tensor.shape[0] > h.real]
         bias = getattr(head, "bias", None)
         biases = ([(f"{names[1]}.bias", bias, firsts[1])] if isinstance(bias, torch.Tensor)
                   and bias.dim() == 1 and bias.shape[0] > firsts[1] else [])
@@ -126,14 +117,3 @@ class PaddingRows:
                 fill = mean.to(pad.dtype).expand_as(pad)
                 pad.copy_(torch.where(torch.isfinite(mean).all(), fill, pad))
 
-
-def suppress_padding_ids(model: nn.Module, real: int, rows: int) -> None:
-    """HF models: generate() never emits a padding id, greedy, sampling and beam search alike
-    (transformers applies generation_config.suppress_tokens in every decoding mode)."""
-    config = getattr(model, "generation_config", None)
-    if config is None or real >= rows or not hasattr(config, "suppress_tokens"):
-        return
-    before = list(config.suppress_tokens or [])
-    config.suppress_tokens = sorted(set(before) | set(range(real, rows)))
-    log.info("guard: generation_config.suppress_tokens now holds the padding ids [%d, %d)",
-             real, rows)

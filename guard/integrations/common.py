@@ -87,7 +87,7 @@ class GuardedTraining:
         and generation after training score as a head over the real vocab does
         (docs/integrations.md, what the callbacks leave behind). `release()` removes that."""
         if self.guard is not None:
-            self.guard.repair_padding_rows()
+            self.guard.repair()
         self._detach(keep_mask=True)
 
     def release(self) -> None:

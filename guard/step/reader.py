@@ -4,9 +4,9 @@ emit, raise. The step clock calls it at attach, at each read boundary and at det
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
 
 from guard.device.reading import Reading
 from guard.policy import Action, Policy
@@ -14,8 +14,9 @@ from guard.step.episodes import Episodes
 from guard.step.record import Record
 from guard.step.verdict import judge
 from guard.vocab.resolve import Sizes
+from guard_server.wire import CheckName
 
-__all__ = ["Names", "Reader", "When"]
+__all__ = ["Names", "Reader", "Stateful", "When"]
 
 log = logging.getLogger("guard")
 
@@ -30,20 +31,28 @@ class Names:
     """What the messages call the guarded modules."""
 
     head: str  # the lm_head's name in the model
-    weights: str  # the weights whose padding rows are checked
+
+
+class Stateful(Protocol):
+    """What a read asks of a stateful check's state (guard/stateful/state.py)."""
+
+    @property
+    def check_name(self) -> CheckName: ...
+
+    def detail(self, reading: Reading, *, reduce: bool) -> str: ...
+
+    def repair(self) -> None: ...
 
 
 class Reader:
     """Turns each reading into its consequences for one guard."""
 
     def __init__(self, policy: Policy, sizes: Sizes, names: Names, record: Record,
-                 episodes: Episodes | None,
-                 repairs: Mapping[str, Callable[[], None]] | None = None,
-                 details: Mapping[str, Callable[[Reading, bool], str]] | None = None) -> None:
+                 episodes: Episodes | None, states: Sequence[Stateful] = ()) -> None:
         self._policy, self._sizes, self._names = policy, sizes, names
         self._record, self._episodes = record, episodes
-        self._repairs = dict(repairs or {})  # check -> what its `repair` action does
-        self._details = dict(details or {})  # check -> what the host adds to its message
+        # The stateful checks' states, in the table's order: the order of their collectives.
+        self._states = tuple(states)
 
     def read(self, reading: Reading, step: int, *, when: When, now: int = 0,
              in_step: bool = False, closure: bool = False) -> bool:
@@ -56,12 +65,14 @@ class Reader:
         """
         record = self._record
         record.update(reading.local, step)
-        # Combined over ranks unless read at detach (one rank may detach alone).
-        details = {c: add(reading, when != "detach") for c, add in self._details.items()
-                   if reading.fired_on(c) is not None}
+        # What each state whose check fired adds to its message, combined over ranks unless
+        # read at detach (one rank may detach alone): every rank asks the same states.
+        fired = [s for s in self._states if reading.fired_on(s.check_name) is not None]
+        reading = replace(reading, details={
+            s.check_name: s.detail(reading, reduce=when != "detach") for s in fired})
         verdict = judge(reading, self._policy, step=step, real=self._sizes.real_rows,
-                        rows=self._sizes.rows, head=self._names.head, weights=self._names.weights,
-                        real_from=self._sizes.found.source, details=details)
+                        rows=self._sizes.rows, head=self._names.head,
+                        real_from=self._sizes.found.source)
         if self._episodes is not None:
             verdict, note = self._episodes.annotate(verdict, rerun_now=in_step, step=now,
                                                     rank=record.rank)
@@ -69,13 +80,13 @@ class Reader:
                 record.note(note)
         record.add(verdict)
         # No repair at detach: nothing trains after it, and a repair may be a collective
-        # that a rank detaching alone would wait on forever.
-        # The violations' order (the table's), never a set's: repairs may be collectives, and
-        # str hashing differs per process, so a set could order them apart across ranks.
-        for check in dict.fromkeys(v.check for v in verdict.violations
-                                   if v.action is Action.REPAIR):
-            if (repair := self._repairs.get(check)) is not None and when != "detach":
-                repair()
+        # that a rank detaching alone would wait on forever. In the table's order, never a
+        # set's: str hashing differs per process, and a set could order them apart on ranks.
+        repairing = {v.check for v in verdict.violations if v.action is Action.REPAIR}
+        if when != "detach":
+            for state in self._states:
+                if state.check_name in repairing:
+                    state.repair()
         skip = False
         if when == "step":
             # Every rank reads the same all-reduced values, so every rank skips the same step.

@@ -100,7 +100,7 @@ class Record:
     """What `g.stats` shows and what the sinks receive, for one guard on one rank."""
 
     def __init__(self, run_id: str, rank: int, vocab: dict[str, int],
-                 enabled: dict[str, Action]) -> None:
+                 enabled: Mapping[CheckName, Action]) -> None:
         self.run_id, self.rank = run_id, rank
         # A fresh id per attach: the server replaces a (run, rank)'s state when it changes, so
         # a restart is visible at once instead of hiding behind the old attach's higher steps.
@@ -214,7 +214,7 @@ class Record:
     def _violation_counts(self) -> dict[str, dict[str, int]]:
         """check -> action -> count; each enabled check shows its action at 0 until it fires,
         so its series starts with the run, not with its first violation."""
-        counts = {c: {a.value: 0} for c, a in self.enabled.items()}
+        counts: dict[str, dict[str, int]] = {c: {a.value: 0} for c, a in self.enabled.items()}
         for check, actions in self._violations.items():
             counts.setdefault(check, {}).update(actions)
         return counts

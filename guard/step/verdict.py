@@ -4,7 +4,6 @@ no tensor, no state."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from guard.checks import CHECKS, Context, watching
@@ -13,6 +12,7 @@ from guard.errors import GuardViolation
 from guard.policy import Action, Policy
 from guard.vocab.real import GIVE_IT, Real
 from guard.vocab.sizes import Audit
+from guard_server.wire import CheckName
 
 __all__ = ["Note", "Verdict", "Violation", "attach_verdict", "judge"]
 
@@ -79,24 +79,23 @@ class Verdict:
 
 
 def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
-          head: str = "lm_head", weights: str = "the embedding / lm_head weights",
-          real_from: str = "", details: Mapping[str, str] | None = None) -> Verdict:
+          head: str = "lm_head", real_from: str = "") -> Verdict:
     """The verdict on the all-rank figures, so every rank decides alike: each enabled check
     that fired, described by its spec (guard/checks/), in the table's order (cause first).
 
     `real` and `rows`: the whole head's real vocab (clipped to the rows) and rows, `real_from`
-    where the real vocab came from; `head` its name and `weights` those whose padding rows
-    are checked, for the messages; `details` per check what the host side adds to its message.
+    where the real vocab came from; `head` its name, for the messages; what a check's state
+    adds to its message comes with the reading (`Reading.details`).
     """
     watched = watching(policy)
     out = []
     for spec in CHECKS:
-        rank = reading.fired_on(spec.name)
-        if rank is None or spec.describe is None or not policy.enabled(spec.name):
+        rank = reading.fired_on(spec.check)
+        if rank is None or spec.describe is None or not policy.enabled(spec.check):
             continue
-        action = policy.action(spec.name)
-        ctx = Context(reading.glob, policy, _NEXT[action], real, rows, head, weights,
-                      reading.crossed, watched, real_from, (details or {}).get(spec.name, ""))
+        action = policy.action(spec.check)
+        ctx = Context(reading.glob, policy, _NEXT[action], real, rows, head, reading.crossed,
+                      watched, real_from, reading.details.get(spec.check, ""))
         found = spec.describe(reading.glob[spec], ctx)
         if found is None:
             continue
@@ -114,8 +113,9 @@ def attach_verdict(audit: Audit, policy: Policy, rank: int, *,
     taken as real, and the checks of padding columns and ghost ids see nothing)."""
     multiple = audit.pad_multiple * audit.tensor_parallel
     out = []
-    for check, problems in (("alignment", audit.alignment_problems),
-                            ("vocab", audit.vocab_problems)):
+    attach_checks: tuple[tuple[CheckName, tuple[str, ...]], ...] = (
+        ("alignment", audit.alignment_problems), ("vocab", audit.vocab_problems))
+    for check, problems in attach_checks:
         action = policy.action(check)
         if action is Action.OFF or not problems:
             continue

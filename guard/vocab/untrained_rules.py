@@ -1,8 +1,8 @@
 """The rules of the untrained_rows check, where a row of the real vocab counts as never trained,
 and how a message names what they found. One definition for guard.attach (on the device:
-guard/device/untrained_rules.py; the policy's defaults, guard/policy.py) and `guard audit`
-(guard/vocab/safetensors_untrained.py). Pure Python: `guard audit` imports it without torch and
-without the server's wire. The measurements behind the numbers: docs/checks.md.
+guard/device/untrained_rules.py) and `guard audit` (guard/vocab/safetensors_untrained.py); the
+thresholds' defaults, with where each comes from: guard/constants.py (the policy's too). Pure
+Python: `guard audit` imports it without torch and without the server's wire.
 
 A row is untrained when it is finite and
 - ZERO: every |value| <= EPSILON;
@@ -15,21 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from guard.constants import DUPLICATES, EPSILON, NORM_RATIO
+
 __all__ = ["DUPLICATES", "EPSILON", "NORM_RATIO", "REASONS", "SAME", "SMALL", "ZERO",
            "Thresholds", "by_reason", "id_list", "reasons"]
-
-# Unsloth's bound (fix_untrained_tokens). Llama-3 base's reserved rows hold 0, or ~1e-23 in
-# bfloat16 (it keeps float32's exponent); a trained row's values are 1e-3..1, and no optimizer
-# update leaves a value under 1e-16.
-EPSILON = 1e-16
-# A never-seen row that weight decay shrank but left above EPSILON (0.1 decay at lr 3e-4 takes
-# a row to 1e-3 of its init in 230k steps). Healthy rows measured 0.6-1.6x the median (a normal
-# init, rows trained on Zipf ids), the trained mean a repair writes 0.1x, a decayed row 1e-4x
-# (bench/untrained_norms.py).
-NORM_RATIO = 1e-3
-# Placeholders (Llama-3.1's head rows of its reserved tokens are one vector repeated): rows
-# that trained never coincide bit for bit.
-DUPLICATES = 2
 
 ZERO, SMALL, SAME = 1, 2, 4  # why a row looks untrained: one bit each
 REASONS: Mapping[int, str] = {ZERO: "near_zero", SMALL: "small_norm", SAME: "identical"}

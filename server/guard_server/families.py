@@ -8,12 +8,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from guard_server.wire import ACTIONS, CHECKS, StepReport
+from guard_server.wire import ACTIONS, CHECKS, ID_KINDS, TENSORS, WEIGHTS, StepReport
 
 __all__ = ["Family", "MAX_SERIES_PER_RANK", "PER_RANK", "series_of"]  # noqa: RUF022 - sorted()
 
 # A rank's samples of a family: each its label values beside run_id and rank, and its value
-# (written out per family, not through a helper: the collector calls each once per rank).
+# (one function per family: the collector calls each once per rank). A label's values are the
+# wire's (TENSORS, ID_KINDS, WEIGHTS), in the fields of the report model that holds them.
 Samples = Sequence[tuple[tuple[str, ...], float]]
 
 
@@ -58,22 +59,22 @@ PER_RANK: tuple[Family, ...] = (
            else (((), r.padding_mass_max),), varies=True),
     Family("guard_nonfinite_values_total", "counter",
            "NaN/Inf values seen since attach, per tensor (logits, hidden, loss).", ("tensor",),
-           lambda r, seen: [(("logits",), r.nonfinite.logits), (("hidden",), r.nonfinite.hidden),
-                            (("loss",), r.nonfinite.loss)], most=3),
+           lambda r, seen: [((t,), getattr(r.nonfinite, t)) for t in TENSORS],
+           most=len(TENSORS)),
     Family("guard_out_of_range_tokens_total", "counter",
            "Token ids in [real, rows) or outside [0, rows) seen since attach, per kind.",
-           ("kind",), lambda r, seen: [(("input",), r.out_of_range.input),
-                                       (("label",), r.out_of_range.label)], most=2),
+           ("kind",), lambda r, seen: [((k,), getattr(r.out_of_range, k)) for k in ID_KINDS],
+           most=len(ID_KINDS)),
     Family("guard_untrained_rows", "gauge",
            "Rows of the real vocab found never trained and not repaired, per weight "
            "(embedding, lm_head).", ("weight",),
            lambda r, seen: () if r.untrained_rows is None else
-           [(("embedding",), r.untrained_rows.embedding),
-            (("lm_head",), r.untrained_rows.lm_head)], most=2, varies=True),
+           [((w,), getattr(r.untrained_rows, w)) for w in WEIGHTS], most=len(WEIGHTS),
+           varies=True),
     Family("guard_untrained_tokens_total", "counter",
            "Input ids and labels that fell on never-trained rows since attach, per kind.",
-           ("kind",), lambda r, seen: [(("input",), r.untrained_tokens.input),
-                                       (("label",), r.untrained_tokens.label)], most=2),
+           ("kind",), lambda r, seen: [((k,), getattr(r.untrained_tokens, k)) for k in ID_KINDS],
+           most=len(ID_KINDS)),
     Family("guard_violations_total", "counter",
            "Check violations since attach, per check and action.", ("check", "action"),
            _violations, most=len(CHECKS) * len(ACTIONS), varies=True,

@@ -18,6 +18,8 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "CHECKS",
     "CheckName",
     "Event",
+    "ID_KINDS",
+    "IdKind",
     "MAX_BATCH_REPORTS",
     "MAX_COUNT",
     "MAX_EVENTS",
@@ -29,9 +31,13 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "ReportBatch",
     "RunId",
     "StepReport",
+    "TENSORS",
+    "TensorKind",
     "UntrainedRows",
     "UntrainedTokens",
     "VocabSizes",
+    "WEIGHTS",
+    "WeightName",
     "bearer_token",
 ]
 
@@ -41,8 +47,17 @@ CheckName = Literal[
 ]
 # "off" never appears on the wire: an off check records nothing.
 ActionName = Literal["fail", "mask", "skip", "warn", "repair"]
-CHECKS: tuple[str, ...] = get_args(CheckName)
-ACTIONS: tuple[str, ...] = get_args(ActionName)
+CHECKS: tuple[CheckName, ...] = get_args(CheckName)
+ACTIONS: tuple[ActionName, ...] = get_args(ActionName)
+# The values of the per-kind labels, declared once here: each is also the fields of its report
+# model below, in this order (tests/server/test_wire.py holds them equal), and the library's
+# specs key their slots by them (guard/checks/), the metric families emit them (families.py).
+TensorKind = Literal["logits", "hidden", "loss"]  # NonFinite: guard_nonfinite_values_total
+IdKind = Literal["input", "label"]  # OutOfRange, UntrainedTokens: their `kind` label
+WeightName = Literal["embedding", "lm_head"]  # UntrainedRows: guard_untrained_rows{weight}
+TENSORS: tuple[TensorKind, ...] = get_args(TensorKind)
+ID_KINDS: tuple[IdKind, ...] = get_args(IdKind)
+WEIGHTS: tuple[WeightName, ...] = get_args(WeightName)
 
 # Bounds of one report: a request stays far below the body limit (1 MiB) even with every
 # event at its longest, and a dashboard's event list stays readable.

@@ -19,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 import guard
 from guard import GuardViolation
 from guard.cli import main
+from guard.device.untrained_tables import UntrainedTables
 from guard.integrations.transformers import guard_trainer
 from tests.conftest import no_host_reads
 from tests.integrations.chat_llama import (
@@ -212,17 +213,16 @@ def test_a_frozen_embedding_is_said_to_never_learn_and_how_to_train_it(
 
 
 def test_warn_counts_every_step_and_reads_the_ids_once(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     tok = chat_tokenizer()
     m = llama(tok, ids_of(tok, CHAT))
     b = stacked(chats(tok)[:2])
     with caplog.at_level(logging.WARNING, logger="guard"), \
             guard.attach(m, policy=rules("warn"), tokenizer=tok) as g:
-        device = g._probe.untrained.device if g._probe.untrained else None
-        assert device is not None
         taken = []
-        take = device.take_new
-        device.take_new = lambda **kw: taken.append(1) or take(**kw)  # type: ignore[method-assign]
+        take = UntrainedTables.take_new
+        monkeypatch.setattr(UntrainedTables, "take_new",
+                            lambda self, **kw: taken.append(1) or take(self, **kw))
         for _ in range(3):
             with no_host_reads():  # the hooks count on the device
                 m(**b).loss.backward()
@@ -261,8 +261,9 @@ def test_audit_of_the_saved_checkpoint_lists_them_before_the_repair_and_none_aft
     cb = guard_trainer(t, policy=QUIET)
     t.train()  # under the default: repaired at step 1, then trained
     assert cb.guard is not None
-    found = cb.guard._probe.untrained
-    assert found is not None and [w.ids for w in found.weights] == [used, used]  # as audited
+    found = [f for f in cb.guard.findings if f.check == "untrained_rows"]
+    assert [list(f.ids) for f in found] == [used, used]  # as audited
+    assert found[0].reasons == ("near_zero",) * len(used)
     m.save_pretrained(tmp_path / "tuned")
     tok.save_pretrained(tmp_path / "tuned")
     code, after = audit(capsys, tmp_path / "tuned")

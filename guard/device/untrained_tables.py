@@ -1,6 +1,6 @@
-"""The untrained_rows check on the device: the ids found untrained at attach (guard/vocab/
-untrained.py finds them) as lookup tables, counted in every training forward with device ops
-only, and repaired in place.
+"""The untrained_rows check on the device: the ids its state found untrained at attach
+(guard/stateful/untrained_rows.py) as lookup tables, counted in every training forward with
+device ops only, and repaired in place.
 
 Per kind of id a table over the vocab gives each id its place among the untrained ids, or n
 (their number) when its row is trained: input ids look up the embedding's rows, labels the
@@ -19,17 +19,23 @@ import torch.distributed as dist
 
 from guard.checks import untrained_rows as spec
 from guard.device.flags import Flags
-from guard.device.rows import HeadWeight
+from guard.device.rows import VocabWeight
 from guard.device.sharded import RowShard
+from guard_server.wire import IdKind, WeightName
 
-__all__ = ["Rows", "UntrainedRows"]
+__all__ = ["UntrainedTables", "UntrainedWeight", "id_kind"]
+
+
+def id_kind(role: WeightName) -> IdKind:
+    """The ids that look up a weight's rows: input ids the embedding's, labels the head's."""
+    return "input" if role == "embedding" else "label"
 
 
 @dataclass
-class Rows:
+class UntrainedWeight:
     """The untrained rows of one weight (of the real vocab), and its state on the device."""
 
-    head: HeadWeight
+    weight: VocabWeight
     shard: RowShard
     ids: list[int]  # the untrained rows, ids of the whole vocab
     why: list[int]  # per id, guard/device/untrained_rules.py's bits
@@ -42,40 +48,40 @@ class Rows:
     keep: torch.Tensor = field(init=False)
 
 
-class UntrainedRows:
-    """The lookup tables, the ids used and the rows left; `count` runs in the probe's hooks,
-    `check` before each read, `repair` at a violation under `repair`."""
+class UntrainedTables:
+    """The lookup tables, the ids used and the rows left; `count` runs in the id hooks
+    (guard/device/ids.py), `check` before each read, `repair` at a violation under `repair`."""
 
-    def __init__(self, weights: Sequence[Rows], flags: Flags) -> None:
+    def __init__(self, weights: Sequence[UntrainedWeight], flags: Flags) -> None:
         self.weights = list(weights)
         self.flags = flags
         self.ids = sorted({i for w in weights for i in w.ids})  # every untrained id, once
         self.n = len(self.ids)
         place = {i: k for k, i in enumerate(self.ids)}
         device = weights[0].shard.local().device
-        self.tables: dict[spec.Kind, torch.Tensor] = {}
+        self.tables: dict[IdKind, torch.Tensor] = {}
         for w in weights:
-            rows = w.head.weight.shape[0]
+            rows = w.weight.tensor.shape[0]
             w.pos = torch.tensor([place[i] for i in w.ids], dtype=torch.int64, device=device)
             w.pending = torch.ones(len(w.ids), dtype=torch.bool, device=device)
-            w.keep = torch.arange(rows, device=device) < w.head.real
+            w.keep = torch.arange(rows, device=device) < w.weight.real
             w.keep[w.ids + w.exempt] = False
             # (rows + 1,): an id clamped to [-1, rows] finds n for a trained row, an ignore
             # index or an id with no row (-1 and rows both land on the last entry).
             table = torch.full((rows + 1,), self.n, dtype=torch.int64, device=device)
             table[w.ids] = w.pos
-            for role in w.head.roles:
+            for role in w.weight.roles:
                 if w.ids:
-                    self.tables["input" if role == "embedding" else "label"] = table
+                    self.tables[id_kind(role)] = table
         self.used = torch.zeros(self.n + 1, device=device)  # the last entry: trained ids
         self.named = torch.zeros(self.n + 1, device=device)  # what a message has named
         self._changed = True  # the rows left changed since the flags last got them
 
-    def watches(self, kind: spec.Kind) -> bool:
+    def watches(self, kind: IdKind) -> bool:
         """Some row this kind of id looks up is untrained (else its hook counts nothing)."""
         return kind in self.tables
 
-    def count(self, kind: spec.Kind, ids: torch.Tensor) -> None:
+    def count(self, kind: IdKind, ids: torch.Tensor) -> None:
         """Ids of this forward that fall on untrained rows, into the flags (device ops)."""
         table = self.tables.get(kind)
         if table is None:
@@ -96,7 +102,7 @@ class UntrainedRows:
             self._changed = False
             f.put(spec.READ, 1.0)
             for role, slot in spec.LEFT.items():
-                w = next((w for w in self.weights if role in w.head.roles), None)
+                w = next((w for w in self.weights if role in w.weight.roles), None)
                 f.put(slot, 0.0 if w is None else w.pending.sum())
         if self.n:
             f.put(spec.NEW, (self.used[: self.n] > self.named[: self.n]).sum())
@@ -119,7 +125,7 @@ class UntrainedRows:
         with torch.no_grad():
             hit = self._union(reduce=True)[: self.n] > 0
             for w in self.weights:
-                mean = w.shard.mean_below(w.head.real, keep=w.keep)  # (d,) float32
+                mean = w.shard.mean_below(w.weight.real, keep=w.keep)  # (d,) float32
                 local = w.shard.local()
                 write = hit.to(w.pos.device)[w.pos] & w.pending & torch.isfinite(mean).all()
                 here = [j for j, i in enumerate(w.ids)
@@ -133,8 +139,8 @@ class UntrainedRows:
                                        local.index_select(0, rows))
                     local.index_copy_(0, rows, fill)
                 w.pending &= ~write
-                for role in w.head.roles:
-                    kind: spec.Kind = "input" if role == "embedding" else "label"
+                for role in w.weight.roles:
+                    kind = id_kind(role)
                     if kind in self.tables:
                         ids = torch.tensor(w.ids, device=w.pos.device)
                         self.tables[kind].index_copy_(

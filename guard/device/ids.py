@@ -1,0 +1,125 @@
+"""The token ids of a training forward, as the hooks see them: the input ids, in a pre-hook on
+every module that embeds with the embedding's weight, and the labels, in the model's pre-hook
+(`labels=` / `targets=`, or their position in forward's signature). token_range checks both;
+a stateful check may count them too (untrained_rows: `IdWatcher`). Device ops only."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from guard.checks import coverage, token_range
+from guard.device.flags import Flags
+from guard.device.hooks import Handle, hook
+from guard.device.logits import ProbeConfig
+from guard.device.ops import out_of_range_parts, within_rows
+from guard_server.wire import ID_KINDS, IdKind
+
+__all__ = ["IdHooks", "IdWatcher", "labels_position"]
+
+_LABEL_KWARGS = ("labels", "targets")
+
+
+def labels_position(model: nn.Module) -> int | None:
+    """Index in *args of a `labels` / `targets` parameter of model.forward, if any."""
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return next((i for i, name in enumerate(params) if name in _LABEL_KWARGS), None)
+
+
+class IdWatcher(Protocol):
+    """A check's state that counts ids in the hooks (device ops, nothing read to the host)."""
+
+    def watches(self, kind: IdKind) -> bool: ...
+
+    def count(self, kind: IdKind, ids: torch.Tensor) -> None: ...
+
+
+class IdHooks:
+    """What the id hooks do with the ids: count them for the watchers, check them for
+    token_range, and replace those with no row before they index out of bounds."""
+
+    def __init__(self, cfg: ProbeConfig, flags: Flags, watchers: Sequence[IdWatcher] = ()) -> None:
+        self.cfg, self.flags = cfg, flags
+        # Per kind of id, the watchers that count it (none: the hook asks nothing of them).
+        self._watchers = {k: tuple(w for w in watchers if w.watches(k)) for k in ID_KINDS}
+        self.label_position: int | None = None  # set at install, from the model's forward
+
+    def install(self, model: nn.Module, inputs: Sequence[nn.Module]) -> list[Handle]:
+        """A pre-hook on each module of `inputs` (those that embed with the embedding's weight)
+        where the input ids are needed; the labels are the model pre-hook's (`labels`)."""
+        self.label_position = labels_position(model)
+        if not (self.cfg.token_range or self._watchers["input"]):
+            return []
+        return [hook(m, self._embedding_pre, kind="forward_pre") for m in inputs]
+
+    def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> Any:
+        if not (module.training and args and isinstance(args[0], torch.Tensor)):
+            return None
+        ids = args[0]
+        if ids.is_floating_point():  # embeddings of something else
+            return None
+        for w in self._watchers["input"]:
+            w.count("input", ids)
+        if not self.cfg.token_range:
+            return None
+        self.flags.mark(coverage.SEEN["inputs"])
+        with torch.no_grad():
+            self._out_of_range("input", ids, None)
+            # An id with no row would end the step in an index error (on a GPU, a device-side
+            # assert that kills the process) before the guard could say anything: it is
+            # replaced by id 0 and counted, and the read says where it was.
+            safe = within_rows(ids, self.cfg.input_rows, 0)
+        return (safe, *args[1:])
+
+    def labels(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+               fused: bool) -> Any:
+        """In the model's pre-hook: its labels counted and checked in a training forward, and
+        made safe (also for a fused head handed the real rows, `fused`); the new (args,
+        kwargs), or None to leave them."""
+        counting = self._watchers["label"] if training else ()
+        checked = training and self.cfg.token_range
+        if not (checked or fused or counting):
+            return None
+        key = next((k for k in _LABEL_KWARGS if k in kwargs), None)
+        pos = self.label_position if key is None else None
+        labels = kwargs[key] if key is not None else (
+            args[pos] if pos is not None and len(args) > pos else None)
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+            return None
+        for w in counting:
+            w.count("label", labels)
+        if not (checked or fused):
+            return None
+        ignore = self.cfg.ignore_index
+        with torch.no_grad():
+            if checked:
+                self.flags.mark(coverage.SEEN["labels"])
+                self._out_of_range("label", labels, ignore)
+            # As the embedding's ids: a label past the rows, which the loss would index out of
+            # bounds, becomes the ignore index (torch's and HF's -100 where the policy has
+            # none), counted above; with the fused head cut to the real rows, a label past
+            # them. Negative labels stay: they are the loss's own ignore value (HF -100,
+            # nanoGPT -1), or a setting the message names.
+            safe = within_rows(labels, self.cfg.real if fused else self.cfg.rows,
+                               -100 if ignore is None else ignore, negative=False)
+        if key is not None:
+            return args, {**kwargs, key: safe}
+        if pos is not None:
+            return (*args[:pos], safe, *args[pos + 1:]), kwargs
+        return None
+
+    def _out_of_range(self, kind: IdKind, ids: torch.Tensor, ignore_index: int | None) -> None:
+        n, negative, top = out_of_range_parts(ids, self.cfg.real, ignore_index)
+        f = self.flags
+        f.put(token_range.SLOTS[kind], n)
+        if kind == "label":
+            f.put(token_range.NEGATIVE, negative)
+        f.put(token_range.TOP[kind], top)
+        f.put(token_range.WIDTH[kind], ids.shape[-1] if ids.dim() else 0)

@@ -1,0 +1,69 @@
+"""The padding_rows check's state: the padding rows [real, rows) of the embedding and lm_head
+weights (guard/device/rows.py checks and repairs them on the device) and, under `repair`, HF
+generation kept off the padding ids."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from guard.checks import padding_rows
+from guard.device.reading import Reading
+from guard.device.rows import PaddingRows
+from guard.policy import Action
+from guard.stateful.state import Attaching, CheckState
+
+__all__ = ["PaddingRowsState", "suppress_padding_ids"]
+
+log = logging.getLogger("guard")
+
+
+class PaddingRowsState(CheckState):
+    spec = padding_rows.SPEC
+    reads_weights = True
+
+    def __init__(self, rows: PaddingRows | None, action: Action, real: int, total: int) -> None:
+        # None where no weight has a padding row on this process (a vocab-parallel shard of
+        # real ids only): it checks nothing, the other ranks report theirs.
+        self.rows = rows
+        self.action = action
+        self.real, self.total = real, total  # of the whole vocab: the padding ids [real, total)
+
+    @classmethod
+    def attach(cls, at: Attaching) -> PaddingRowsState:
+        s = at.sizes
+        return cls(PaddingRows.of(at.flags, at.heads, s.first_padding),
+                   at.policy.action("padding_rows"), s.real, s.rows)
+
+    @property
+    def reads_at_attach(self) -> bool:
+        return self.rows is not None
+
+    def check(self) -> None:
+        if self.rows is not None:
+            self.rows.check()
+
+    def detail(self, reading: Reading, *, reduce: bool) -> str:
+        """The weights whose padding rows are checked, by name."""
+        return "the padding rows" if self.rows is None else self.rows.names
+
+    def repair(self) -> None:
+        if self.rows is not None:
+            self.rows.repair()
+
+    def after_attach(self, model: nn.Module) -> None:
+        if self.action is Action.REPAIR:
+            suppress_padding_ids(model, self.real, self.total)  # global ids, sharded or not
+
+
+def suppress_padding_ids(model: nn.Module, real: int, rows: int) -> None:
+    """HF models: generate() never emits a padding id, greedy, sampling and beam search alike
+    (transformers applies generation_config.suppress_tokens in every decoding mode)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or real >= rows or not hasattr(config, "suppress_tokens"):
+        return
+    before = list(config.suppress_tokens or [])
+    config.suppress_tokens = sorted(set(before) | set(range(real, rows)))
+    log.info("guard: generation_config.suppress_tokens now holds the padding ids [%d, %d)",
+             real, rows)
