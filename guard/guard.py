@@ -1,6 +1,5 @@
-"""The Guard and `attach()`: a thin front over the device probe (guard/device/), the stateful
-checks' states (guard/stateful/), the step clock and the reader (guard/step/) and the sinks
-(guard/sinks/)."""
+"""The Guard and `attach()`: a thin front over its parts (guard/parts.py: the device probe, the
+stateful checks' states, the step clock and the reader) and the sinks (guard/sinks/)."""
 
 from __future__ import annotations
 
@@ -14,23 +13,19 @@ import torch
 from torch import nn
 
 from guard.arguments import check_arguments
-from guard.device.compile import drop_compiled
 from guard.device.hooks import Handle, hook
 from guard.device.loss import LossShares
-from guard.device.probe import Probe, mask_hook
+from guard.device.probe import mask_hook
 from guard.device.sharded import register_sharded
 from guard.errors import AttachError, GuardViolation
+from guard.parts import Parts
 from guard.policy import Action, Policy
 from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
-from guard.stateful import Attaching, Finding, attach_states
-from guard.step.clock import StepClock, Steps
-from guard.step.episodes import Episodes
-from guard.step.reader import Names, Reader
-from guard.step.record import Record
-from guard.step.verdict import Note, attach_verdict
-from guard.vocab.discover import Heads, discover
-from guard.vocab.resolve import Sizes, resolve
+from guard.stateful import Finding
+from guard.step.clock import Steps
+from guard.vocab.discover import discover
+from guard.vocab.resolve import resolve
 from guard.vocab.sizes import Audit
 
 __all__ = ["Guard", "attach"]
@@ -45,24 +40,11 @@ _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Guard]] = weakref.We
 class Guard:
     """A guard attached to one model; see `attach`."""
 
-    def __init__(self, model: nn.Module, heads: Heads, policy: Policy, sizes: Sizes, *,
-                 rank: int, optimizer: torch.optim.Optimizer | None = None,
-                 steps: Steps = "auto", loss_shares: LossShares = "last",
-                 loss_scale: float = 1.0, tokenizer: Any = None) -> None:
-        self._model, self._heads, self._policy, self._sizes = model, heads, policy, sizes
-        self._optimizer = optimizer
-        self._probe = Probe.from_policy(policy, sizes, heads, rank=rank,
-                                        loss_shares=loss_shares, loss_scale=loss_scale)
-        # One state per stateful check, in the table's order: probe, reader and guard share it.
-        self._states = attach_states(Attaching(policy, self._probe.flags, heads, sizes, model,
-                                               rank, tokenizer))
-        self._record = Record.from_policy(policy, sizes.audit, rank)
-        self._episodes = Episodes.from_policy(policy, model)
-        reader = Reader(policy, sizes, Names(heads.lm_head_name), self._record, self._episodes,
-                        self._states)
-        self._clock = StepClock.from_policy(policy, self._probe, reader, optimizer=optimizer,
-                                            steps=steps)
-        self._handles: list[Handle] = []  # every hook of this guard, in one list
+    def __init__(self, parts: Parts) -> None:
+        self._parts = parts
+        self._model, self._heads, self._policy, self._sizes = (parts.model, parts.heads,
+                                                               parts.policy, parts.sizes)
+        self._record, self._clock, self._probe = parts.record, parts.clock, parts.probe
         self._kept: Handle | None = None  # the mask `detach(keep_mask=True)` leaves
         self._detached = False
 
@@ -105,7 +87,7 @@ class Guard:
     def findings(self) -> tuple[Finding, ...]:
         """The rows the stateful checks found at attach (untrained_rows: the rows of the real
         vocab never trained, per weight, with their ids and why), in the checks' order."""
-        return tuple(f for s in self._states for f in s.findings())
+        return tuple(f for s in self._parts.states for f in s.findings())
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -159,7 +141,7 @@ class Guard:
         callbacks call it at the end of training): the padding rows set to the mean of the real
         rows, the untrained rows of the ids used to the mean of the trained ones. Collectives
         when distributed, so every rank calls it; nothing under another action."""
-        for state in self._states:
+        for state in self._parts.states:
             if self._policy.action(state.check_name) is Action.REPAIR:
                 state.repair()
 
@@ -222,40 +204,12 @@ class Guard:
             raise
 
     def _install(self) -> None:
-        """alignment and vocab first: `fail` stops the job before any hook goes on."""
-        verdict = attach_verdict(self._sizes.audit, self._policy, self.rank,
-                                 found=self._sizes.found)
-        self._record.add(verdict)
-        if (error := verdict.error()) is not None:
-            raise error
-        # Everything that can refuse first; what changes the model last (a refused attach
-        # leaves weights, generation_config and hooks as they were).
-        self._handles += self._probe.install(self._model, self._heads, self._states)
-        self._handles += self._clock.install(self._model, self._optimizer)
-        if self._episodes is not None and self._optimizer is not None:
-            self._handles += self._episodes.install(self._probe)
-        for state in self._states:  # what each found, in the report and the log
-            if (said := state.attach_note(self.rank)) is not None:
-                check = state.check_name
-                self._record.note(Note(check, self._policy.action(check), 0, said))
-        self._clock.start()  # the weights' rows as they are before step 1 (a repair, or a fail)
-        for state in self._states:
-            state.after_attach(self._model)
+        self._parts.install()
         _ATTACHED[self._model] = weakref.ref(self)
-        if drop_compiled():
-            log.info("guard: dropped torch.compile's cached graphs, which may run this model "
-                     "traced without the guard's hooks; each compiled function recompiles once")
 
     def _remove(self) -> None:
         """Every hook and the registry entry; idempotent (detach and a failed attach)."""
-        hooked = bool(self._handles)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        if hooked:
-            drop_compiled()  # graphs traced with the hooks would go on running them
-        if self._episodes is not None:
-            self._episodes.close()
+        self._parts.remove()
         if (held := _ATTACHED.get(self._model)) is not None and held() is self:
             del _ATTACHED[self._model]
 
@@ -292,8 +246,9 @@ def attach(
     heads = discover(a.model, embedding=embedding, lm_head=lm_head)
     sizes = resolve(heads, a.policy.vocab, vocab_size=vocab_size, tokenizer=tokenizer,
                     vocab_shard=vocab_shard, model=a.model)
-    g = Guard(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer, steps=steps,
-              loss_shares=a.loss_shares, loss_scale=float(loss_scale), tokenizer=tokenizer)
+    g = Guard(Parts.build(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer,
+                          steps=steps, loss_shares=a.loss_shares, loss_scale=float(loss_scale),
+                          tokenizer=tokenizer))
     g._open(a.local_rank)
     log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
              str(sizes.audit).splitlines()[0])

@@ -12,13 +12,15 @@ expression over A. The output is deterministic: same input, same bytes.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import generated  # the scripts folder, first on the path: run as a script or loaded by a test
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "dashboards/prometheus/guard-alerts.yml"
@@ -168,22 +170,7 @@ def render(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="do not write; exit 1 if the committed file differs"
-    )
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUTPUT.exists() or OUTPUT.read_text() != text:
-            print(
-                f"{OUTPUT.relative_to(ROOT)} is out of date: run {Path(__file__).name}",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    OUTPUT.write_text(text)
-    return 0
+    return generated.main(render, OUTPUT, Path(__file__).name, __doc__ or "", argv)
 
 
 if __name__ == "__main__":

@@ -55,3 +55,46 @@ def test_the_policy_checks_and_actions_are_the_wires() -> None:
 
     assert CHECKS == WIRE_CHECKS == tuple(Checks.model_fields)
     assert set(ACTIONS) == {a.value for a in Action} - {"off"}  # off never reaches the wire
+
+
+def test_a_healthy_rank_under_the_default_policy_has_the_typical_series() -> None:
+    # The figure the server's series cap is sized by (guard_server/settings.py).
+    from guard_server.families import TYPICAL_SERIES_PER_RANK, series_of
+
+    m = tiny_gpt()
+    sink = MemorySink()
+    with guard.attach(m, vocab_size=100, policy={"export": {"serve": None}}) as g:
+        g.add_sink(sink)
+        _, loss = m(*batch())
+        g.step(loss)
+    (report,) = sink.batch().reports[:1]
+    assert series_of(report) == TYPICAL_SERIES_PER_RANK
+
+
+def test_the_label_values_are_declared_once_on_the_wire() -> None:
+    # Each per-kind label's values are a Literal of the wire, the fields of its report model in
+    # that order, the keys of the specs' slots and what the metric families emit.
+    from guard.checks import nonfinite, token_range, untrained_rows
+    from guard_server.wire import (
+        ID_KINDS,
+        TENSORS,
+        WEIGHTS,
+        NonFinite,
+        OutOfRange,
+        UntrainedRows,
+        UntrainedTokens,
+    )
+
+    assert tuple(NonFinite.model_fields) == TENSORS
+    assert tuple(OutOfRange.model_fields) == tuple(UntrainedTokens.model_fields) == ID_KINDS
+    assert tuple(UntrainedRows.model_fields) == WEIGHTS
+    assert set(nonfinite.SLOTS) == set(TENSORS)
+    assert set(token_range.SLOTS) == set(untrained_rows.SLOTS) == set(ID_KINDS)
+    assert tuple(untrained_rows.LEFT) == WEIGHTS
+    report = guarded_run_reports().reports[-1]
+    from guard_server.families import PER_RANK
+
+    emitted = {f.name: {extra for extra, _ in f.samples(report, 0.0)} for f in PER_RANK}
+    assert emitted["guard_nonfinite_values_total"] == {(t,) for t in TENSORS}
+    assert emitted["guard_out_of_range_tokens_total"] == {(k,) for k in ID_KINDS}
+    assert emitted["guard_untrained_tokens_total"] == {(k,) for k in ID_KINDS}

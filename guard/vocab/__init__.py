@@ -1,4 +1,5 @@
-"""At attach, before any hook: the vocab sizes and their audit, the embedding and head
-discovery, and the audit of a checkpoint directory (pure Python, no torch)."""
+"""At attach, before any hook: the vocab sizes and their audit, where the real vocab comes
+from, the embedding and head discovery; and the audit of a checkpoint directory with the
+untrained rows' rules it shares with attach (pure Python, no torch)."""
 
 __all__: list[str] = []

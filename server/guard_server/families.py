@@ -10,7 +10,8 @@ from typing import Literal
 
 from guard_server.wire import ACTIONS, CHECKS, ID_KINDS, TENSORS, WEIGHTS, StepReport
 
-__all__ = ["Family", "MAX_SERIES_PER_RANK", "PER_RANK", "series_of"]  # noqa: RUF022 - sorted()
+__all__ = ["Family", "MAX_SERIES_PER_RANK", "PER_RANK", "TYPICAL_SERIES_PER_RANK",  # noqa: RUF022
+           "series_of"]
 
 # A rank's samples of a family: each its label values beside run_id and rank, and its value
 # (one function per family: the collector calls each once per rank). A label's values are the
@@ -96,6 +97,12 @@ PER_RANK: tuple[Family, ...] = (
 # The most series one rank can put on /metrics: every check with every action, a halt, the
 # loss, both padding-mass ratios and the untrained rows per weight.
 MAX_SERIES_PER_RANK = sum(f.most for f in PER_RANK)
+# A healthy rank under the default policy: every family with all its samples but the
+# violations, which hold one series per check (the library reports each enabled check at 0
+# from the start; all are enabled by default), and the halt, which it never has.
+TYPICAL_SERIES_PER_RANK = sum(
+    len(CHECKS) if f.name == "guard_violations_total" else 0 if f.name == "guard_halted"
+    else f.most for f in PER_RANK)
 
 
 _FIXED = sum(f.most for f in PER_RANK if not f.varies)

@@ -17,7 +17,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from guard_server.errors import SettingsError
-from guard_server.families import MAX_SERIES_PER_RANK
+from guard_server.families import MAX_SERIES_PER_RANK, TYPICAL_SERIES_PER_RANK
 from guard_server.wire import MAX_EVENTS, bearer_token
 
 __all__ = ["ENV_PREFIX", "Settings"]
@@ -44,6 +44,11 @@ _SCRAPE_PIECE_BYTES = 5 << 20
 _TOKEN_VARS = ("GUARD_SERVER_TOKEN", "GUARD_TOKEN")
 
 
+MAX_RANKS = 16384  # GUARD_SERVER_MAX_RANKS' default, over all runs
+# Series each typical rank may add beyond its own before the series cap refuses it (a
+# violation counter of a new action, a halt).
+SPARE_SERIES = 4
+
 class Settings(BaseSettings):
     """Validated server settings; every error names the variable it came from."""
 
@@ -52,17 +57,19 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=9400, ge=0, le=65535)  # 0 binds any free port (tests)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)  # 1 MiB holds ~1000 step reports
-    # Caps: a scrape of 16,384 typical ranks (~262k series) takes ~2.3 s on 2 cores
-    # (docs/benchmarks.md), inside Prometheus' default 10 s scrape_timeout.
+    # Caps: a scrape of the typical ranks they admit must stay well inside Prometheus' default
+    # 10 s scrape_timeout on 2 cores (bench/ingest.py measures it: docs/benchmarks.md).
     max_runs: int = Field(default=64, ge=1)
     max_ranks_per_run: int = Field(default=4096, ge=1)
-    max_ranks: int = Field(default=16384, ge=1)
-    # Series on /metrics: a scrape's cost grows with them, not with ranks, and a rank has 20
-    # (typical) to 65 (every check with every action). 16,384 ranks x 24 leaves every typical
-    # rank the caps allow 4 to spare; at the worst (65 a rank, 128-character run_ids) it is
-    # 6,049 ranks, the same ~393k series that took a ~4 s scrape on 2 cores (bench/ingest.py)
-    # at 56 a rank, under the 10 s scrape_timeout.
-    max_series: int = Field(default=16384 * 24, ge=MAX_SERIES_PER_RANK)
+    max_ranks: int = Field(default=MAX_RANKS, ge=1)
+    # Series on /metrics: a scrape's cost grows with them, not with ranks. A rank has from
+    # TYPICAL_SERIES_PER_RANK (a healthy rank under the default policy) to MAX_SERIES_PER_RANK
+    # (every check with every action and a halt; guard_server/families.py counts both from
+    # its table), so the default admits max_ranks typical ranks with SPARE_SERIES each to
+    # spare, and max_series // MAX_SERIES_PER_RANK of the costliest (docs/server.md gives the
+    # numbers, held to these by tests/server/test_settings.py).
+    max_series: int = Field(default=MAX_RANKS * (TYPICAL_SERIES_PER_RANK + SPARE_SERIES),
+                            ge=MAX_SERIES_PER_RANK)
     # The memory the server may grow by: the state (reports and events, estimated in bytes;
     # a typical rank holds ~5 KiB, one at every wire limit ~0.55 MiB) plus a reserve for the
     # requests in flight (`inflight_bytes`).

@@ -18,39 +18,17 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from guard_server.collector import server_families
+from guard_server.families import PER_RANK
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards/grafana/dashboards/logitguard-overview.json"
 ALERT_RULES = ROOT / "dashboards/prometheus/guard-alerts.yml"
-DESIGN = ROOT.parent / "shared/DESIGN.md"
-
-# The metric table of DESIGN.md ("Telemetry"); test_dashboard.py checks the two agree.
-GUARD_METRICS = frozenset(
-    {
-        "guard_step",
-        "guard_last_report_timestamp_seconds",
-        "guard_loss",
-        "guard_padding_mass_ratio",
-        "guard_padding_mass_max_ratio",
-        "guard_nonfinite_values_total",
-        "guard_out_of_range_tokens_total",
-        "guard_violations_total",
-        "guard_skipped_steps_total",
-        "guard_halted",
-        "guard_vocab_size",
-        "guard_dropped_reports_total",
-        "guard_untrained_rows",
-        "guard_untrained_tokens_total",
-        "guard_ingest_reports_total",
-        "guard_ingest_rejected_total",
-        "guard_server_runs",
-        "guard_server_ranks",
-        "guard_server_bytes",
-    }
-)
-# The server's own counters have no run_id / rank: a rejected request has no trusted run.
-SERVER_METRICS = frozenset({"guard_ingest_reports_total", "guard_ingest_rejected_total",
-                            "guard_server_runs", "guard_server_ranks",
-                            "guard_server_bytes"})
+# Every metric the server exposes, from the code: the per-rank families table and the server's
+# own families (which carry no run_id / rank: a rejected request has no trusted run).
+SERVER_METRICS = frozenset(m.name + ("_total" if m.type == "counter" else "")
+                           for m in server_families(0, {}, 0, 0, 0))
+GUARD_METRICS = frozenset(f.name for f in PER_RANK) | SERVER_METRICS
 
 ALL = ".*"  # the allValue of the run_id / rank variables ("All")
 # Grafana's built-in range variables, fixed: 1m spans many scrapes at the tests' 1 s interval.

@@ -10,7 +10,6 @@ import yaml
 
 from tests.dashboards.queries import (
     ALL,
-    DESIGN,
     GUARD_METRICS,
     ROOT,
     SERVER_METRICS,
@@ -131,28 +130,6 @@ def test_halted_ranks_is_a_stat_that_reads_zero_when_none(dashboard: dict[str, A
     panel = _panel(dashboard, "Halted ranks")
     assert panel["type"] == "stat"
     assert panel["fieldConfig"]["defaults"]["noValue"] == "0"
-
-
-EXTENSIONS = "Names this code adds to the original design"
-
-
-def test_metric_list_matches_design() -> None:
-    if not DESIGN.is_file():
-        pytest.skip(f"{DESIGN} not present (the shared contract lives beside the checkout)")
-    # The metric table, and the untrained_rows check's: DESIGN names them as planned until the
-    # check exists; it does, and exports them.
-    design = set()
-    for header in ("| metric | type | extra labels |", "| planned metric | type | extra labels |"):
-        table = DESIGN.read_text().split(header, 1)[1]
-        rows = re.findall(r"^\|(.*?)\|", table.split("\n\n", 1)[0], re.M)
-        design |= {name for row in rows for name in re.findall(r"`(guard_\w+)`", row)}
-    # Metrics this code adds to the contract are listed in README.md's extension paragraph,
-    # to be folded into DESIGN: each name is in exactly one of the two.
-    readme = (ROOT / "README.md").read_text()
-    extensions = set(re.findall(r"metric `(guard_\w+)`", readme.split(EXTENSIONS, 1)[1]
-                                .split("\n\n", 1)[0]))
-    assert not design & extensions
-    assert design | extensions == GUARD_METRICS
 
 
 def test_variables_substitute_as_grafana_writes_them() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from tests.dashboards.queries import ROOT, alert_rules
+from tests.scripts import load_script
 
 SCRIPT = ROOT / "scripts/gen_grafana_alerts.py"
 GRAFANA_RULES = ROOT / "dashboards/grafana/provisioning/alerting/guard-alerts.yaml"
@@ -22,11 +22,7 @@ PROVIDERS = ROOT / "dashboards/grafana/provisioning/dashboards/logitguard.yaml"
 @pytest.fixture
 def gen() -> ModuleType:
     """The generator script, imported fresh."""
-    spec = importlib.util.spec_from_file_location("gen_grafana_alerts", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_grafana_alerts")
 
 
 def test_committed_file_is_what_the_script_generates(gen: ModuleType) -> None:

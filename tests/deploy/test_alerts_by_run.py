@@ -1,26 +1,50 @@
-"""deploy/prometheus/guard-alerts-by-run.yml: the per-rank rules, counted per run.
+"""deploy/prometheus/guard-alerts-by-run.yml: the per-rank rules, counted per run, generated
+by scripts/gen_alerts_by_run.py (byte for byte here).
 
 Each by-run expression must be the per-rank rule's expression, unchanged, inside one
-`count by (run_id, ...)`; so a change to a per-rank rule fails here until the by-run file
-follows. What the rules return on 1200 ranks: tests/dashboards/test_live_scale.py.
+`count by (run_id, ...)`; so a change to a per-rank rule fails here until the file is
+generated again. What the rules return on 1200 ranks: tests/dashboards/test_live_scale.py.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
 from tests.dashboards.conftest import Run
 from tests.dashboards.queries import ROOT, alert_rules
+from tests.scripts import load_script
 
 BY_RUN = ROOT / "deploy/prometheus/guard-alerts-by-run.yml"
-# The label each rule keeps beside run_id: the one its per-rank series vary in.
-KEPT = {"GuardNonFinite": "tensor", "GuardHalted": "check", "GuardTokenOutOfRange": "kind",
-        "GuardLossSpike": "action", "GuardPaddingMassHigh": "action",
-        "GuardUntrainedTokens": "kind"}
-UNCHANGED = {"GuardServerDown"}  # watches guard-server, has no run
+SCRIPT = ROOT / "scripts/gen_alerts_by_run.py"
+
+
+GEN = load_script("gen_alerts_by_run")
+KEPT, UNCHANGED = GEN.KEPT, GEN.UNCHANGED  # the label each rule keeps beside run_id; none
+
+
+def test_committed_file_is_what_the_script_generates() -> None:
+    assert BY_RUN.read_text() == GEN.render(), (
+        "deploy/prometheus/guard-alerts-by-run.yml is stale: run "
+        ".venv/bin/python scripts/gen_alerts_by_run.py")
+
+
+def test_the_script_checks_the_committed_file() -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_rule_whose_text_names_no_rank_must_be_written_out() -> None:
+    rule = {"alert": "GuardNew", "expr": "x > 0", "labels": {},
+            "annotations": {"summary": "something on run {{ $labels.run_id }}",
+                            "description": "d"}}
+    with pytest.raises(GEN.GenerationError, match="GuardNew: its text does not say"):
+        GEN.render_rule(rule)
 
 
 def _flat(expr: str) -> str:

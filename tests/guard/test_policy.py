@@ -227,3 +227,24 @@ def test_strings_are_no_numbers_and_no_booleans(tmp_path: Path, text: str, probl
     with pytest.raises(PolicyError) as e:
         load_policy(p)
     assert problem in e.value.problems, e.value.problems
+
+
+def test_the_readme_policy_block_is_a_valid_policy_of_the_defaults() -> None:
+    # README.md's policy block is what a user copies: it loads, and it says the defaults (the
+    # run_id and the real vocab size are its example's own).
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("### Policy", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert block is not None
+    loaded = Policy.model_validate(yaml.safe_load(block[1]))
+    defaults = Policy().model_dump()
+    stated = loaded.model_dump()
+    assert stated["checks"] == defaults["checks"] and stated["cadence"] == defaults["cadence"]
+    assert stated["export"] == defaults["export"]
+    assert {k: v for k, v in stated["vocab"].items() if k != "real_size"} == \
+        {k: v for k, v in defaults["vocab"].items() if k != "real_size"}

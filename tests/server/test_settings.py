@@ -120,3 +120,20 @@ def test_the_reserve_covers_the_body_being_parsed(make_batch: Any, wire_example:
         tracemalloc.stop()
     assert len(batch.reports) * MAX_EVENTS > 9000
     assert len(body) + parsed <= _PARSED_PER_BODY * limit, parsed / len(body)
+
+
+def test_the_series_figures_in_docs_server_md_are_the_codes() -> None:
+    # The series a rank has and what the cap admits are counted from the families table;
+    # docs/server.md states them, so a new family changes the doc or fails here.
+    from guard_server.families import MAX_SERIES_PER_RANK, TYPICAL_SERIES_PER_RANK
+    from guard_server.settings import MAX_RANKS, SPARE_SERIES
+
+    doc = " ".join((Path(__file__).parents[2] / "docs/server.md").read_text().split())
+    cap = Settings().max_series
+    assert cap == MAX_RANKS * (TYPICAL_SERIES_PER_RANK + SPARE_SERIES)
+    assert f"| `GUARD_SERVER_MAX_SERIES` | {cap} ({MAX_RANKS} x {cap // MAX_RANKS}) |" in doc
+    assert (f"a typical rank (healthy, the default policy) has {TYPICAL_SERIES_PER_RANK}, the "
+            f"costliest {MAX_SERIES_PER_RANK} (") in doc
+    assert (f"`GUARD_SERVER_MAX_SERIES` ({cap:,}, {MAX_RANKS:,} x {cap // MAX_RANKS}) admits "
+            f"every rank the other caps allow of the typical kind, with {SPARE_SERIES} series "
+            f"to spare each, and {cap // MAX_SERIES_PER_RANK:,} of the costliest") in doc

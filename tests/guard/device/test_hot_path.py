@@ -1,8 +1,10 @@
 """Static guard on the hot path: nothing the guard runs inside a hook reads a tensor to the host.
 
-Two scans, both of the code as it is (no list kept by hand):
+Three scans, all of the code as it is (no list kept by hand):
 - every file under guard/device/, except the one read of a step boundary (`Flags._wait`) and
   the host lists it turns into a Reading;
+- what a stateful check's state runs in the hooks and before each read (guard/stateful/:
+  `watches`, `count`, `check`), whatever the check;
 - every function registered through `guard.device.hooks.hook`, wherever it lives: each call
   of `hook(...)` in guard/ is found and its function resolved. The run-time record of the
   helper (`registered()`) must hold nothing the scan did not find, and no file but the helper
@@ -129,6 +131,24 @@ def test_no_host_read_in_device_code(path: Path) -> None:
     hits = [(fn, line, call) for fn, line, call in host_reads(path)
             if (path.name, fn) not in ALLOWED]
     assert hits == []
+
+
+STATEFUL = GUARD / "stateful"
+# The verbs of a check's state that run in the id hooks and before every read (CheckState).
+PER_STEP = {"watches", "count", "check"}
+
+
+@pytest.mark.parametrize("path", sorted(STATEFUL.glob("*.py")), ids=lambda p: p.name)
+def test_no_host_read_in_what_a_state_does_every_step(path: Path) -> None:
+    assert [(fn, line, call) for fn, line, call in host_reads(path) if fn in PER_STEP] == []
+
+
+def test_the_state_scan_sees_every_state() -> None:
+    from guard.stateful import STATEFUL as MADE
+
+    defined = {n.name for p in STATEFUL.glob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, Function) and n.name in PER_STEP}
+    assert defined == PER_STEP and len(MADE) >= 2
 
 
 def test_no_host_read_in_any_function_registered_as_a_hook() -> None:

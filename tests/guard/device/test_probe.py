@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from guard.checks import loss, padding_mass, token_range
+from guard.device.ids import labels_position
 from guard.device.logits import ProbeConfig
 from guard.device.ops import padding_mass as mass_of
 from guard.device.ops import sample_positions
-from guard.device.ids import labels_position
 from guard.device.probe import Probe, find_loss
 from guard.policy import Policy
 from guard.policy_file import load_policy

@@ -1,0 +1,99 @@
+"""The parts of one guard, wired together at attach: on the device side the probe and the
+stateful checks' states, on the host the record, the localiser, the reader and the step clock.
+Their hooks go on together, in one list, and come off together: a refused attach leaves none."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from guard.device.compile import drop_compiled
+from guard.device.hooks import Handle
+from guard.device.loss import LossShares
+from guard.device.probe import Probe
+from guard.policy import Policy
+from guard.stateful import Attaching, CheckState, attach_states
+from guard.step.clock import StepClock, Steps
+from guard.step.episodes import Episodes
+from guard.step.reader import Names, Reader
+from guard.step.record import Record
+from guard.step.verdict import Note, attach_verdict
+from guard.vocab.discover import Heads
+from guard.vocab.resolve import Sizes
+
+__all__ = ["Parts"]
+
+log = logging.getLogger("guard")
+
+
+@dataclass
+class Parts:
+    """What a Guard is made of, for one model on one rank."""
+
+    model: nn.Module
+    heads: Heads
+    policy: Policy
+    sizes: Sizes
+    optimizer: torch.optim.Optimizer | None
+    probe: Probe
+    states: tuple[CheckState, ...]  # one per stateful check, in the table's order
+    record: Record
+    episodes: Episodes | None
+    clock: StepClock
+    handles: list[Handle] = field(default_factory=list)  # every hook, in one list
+
+    @classmethod
+    def build(cls, model: nn.Module, heads: Heads, policy: Policy, sizes: Sizes, *, rank: int,
+              optimizer: torch.optim.Optimizer | None = None, steps: Steps = "auto",
+              loss_shares: LossShares = "last", loss_scale: float = 1.0,
+              tokenizer: Any = None) -> Parts:
+        probe = Probe.from_policy(policy, sizes, heads, rank=rank, loss_shares=loss_shares,
+                                  loss_scale=loss_scale)
+        # The probe, the reader and the guard share the states: one object per check.
+        states = attach_states(Attaching(policy, probe.flags, heads, sizes, model, rank,
+                                         tokenizer))
+        record = Record.from_policy(policy, sizes.audit, rank)
+        episodes = Episodes.from_policy(policy, model)
+        reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)
+        clock = StepClock.from_policy(policy, probe, reader, optimizer=optimizer, steps=steps)
+        return cls(model, heads, policy, sizes, optimizer, probe, states, record, episodes,
+                   clock)
+
+    def install(self) -> None:
+        """alignment and vocab first: `fail` stops the job before any hook goes on. Everything
+        that can refuse comes before what changes the model (a refused attach leaves weights,
+        generation_config and hooks as they were)."""
+        verdict = attach_verdict(self.sizes.audit, self.policy, self.record.rank,
+                                 found=self.sizes.found)
+        self.record.add(verdict)
+        if (error := verdict.error()) is not None:
+            raise error
+        self.handles += self.probe.install(self.model, self.heads, self.states)
+        self.handles += self.clock.install(self.model, self.optimizer)
+        if self.episodes is not None and self.optimizer is not None:
+            self.handles += self.episodes.install(self.probe)
+        for state in self.states:  # what each found, in the report and the log
+            if (said := state.attach_note(self.record.rank)) is not None:
+                check = state.check_name
+                self.record.note(Note(check, self.policy.action(check), 0, said))
+        self.clock.start()  # the weights' rows as they are before step 1 (a repair, or a fail)
+        for state in self.states:
+            state.after_attach(self.model)
+        if drop_compiled():
+            log.info("guard: dropped torch.compile's cached graphs, which may run this model "
+                     "traced without the guard's hooks; each compiled function recompiles once")
+
+    def remove(self) -> None:
+        """Every hook; idempotent (detach and a failed attach)."""
+        hooked = bool(self.handles)
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        if hooked:
+            drop_compiled()  # graphs traced with the hooks would go on running them
+        if self.episodes is not None:
+            self.episodes.close()
