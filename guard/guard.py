@@ -227,6 +227,7 @@ def attach(
     steps: Steps = "auto",
     loss_shares: LossShares | None = None,
     loss_scale: float = 1.0,
+    scaler: Any = None,
 ) -> Guard:
     """Hook the embedding and lm_head of `model` and check every step (DESIGN.md).
 
@@ -236,9 +237,14 @@ def attach(
     (docs/integrations.md, tensor parallel). `steps="manual"`: only `g.step()` marks step
     boundaries. `loss_shares`: the step's loss is the last micro-batch's, the `"sum"` of their
     losses (HF Trainer), or their `"mean"` (the default under accelerate's gradient
-    accumulation), times `loss_scale`.
+    accumulation), times `loss_scale`. `scaler`: the `torch.amp.GradScaler` of a loop that
+    marks its steps with `g.step()` (Lightning's callback passes its own): an inf/NaN gradient
+    at the boundary is the scaler's to skip, a figure, not a violation (with `optimizer=` the
+    guard needs none: the scaler calls the optimizer's step only when the gradients are finite).
     """
     a = check_arguments(model, policy, optimizer, steps, loss_shares, loss_scale)
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise AttachError(f"scaler= must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if (ref := _ATTACHED.get(a.model)) is not None and (held := ref()) is not None:
         raise AttachError(
             f"a guard is already attached to this model ({held!r}); call detach() on it first")
@@ -248,7 +254,7 @@ def attach(
                     vocab_shard=vocab_shard, model=a.model)
     g = Guard(Parts.build(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer,
                           steps=steps, loss_shares=a.loss_shares, loss_scale=float(loss_scale),
-                          tokenizer=tokenizer))
+                          tokenizer=tokenizer, scaled=scaler is not None and scaler.is_enabled()))
     g._open(a.local_rank)
     log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
              str(sizes.audit).splitlines()[0])

@@ -50,12 +50,12 @@ class Parts:
     def build(cls, model: nn.Module, heads: Heads, policy: Policy, sizes: Sizes, *, rank: int,
               optimizer: torch.optim.Optimizer | None = None, steps: Steps = "auto",
               loss_shares: LossShares = "last", loss_scale: float = 1.0,
-              tokenizer: Any = None) -> Parts:
+              tokenizer: Any = None, scaled: bool = False) -> Parts:
         probe = Probe.from_policy(policy, sizes, heads, rank=rank, loss_shares=loss_shares,
                                   loss_scale=loss_scale)
         # The probe, the reader and the guard share the states: one object per check.
         states = attach_states(Attaching(policy, probe.flags, heads, sizes, model, rank,
-                                         tokenizer))
+                                         tokenizer, optimizer, scaled))
         record = Record.from_policy(policy, sizes.audit, rank)
         episodes = Episodes.from_policy(policy, model)
         reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)

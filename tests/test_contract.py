@@ -63,10 +63,12 @@ def test_a_healthy_rank_under_the_default_policy_has_the_typical_series() -> Non
 
     m = tiny_gpt()
     sink = MemorySink()
-    with guard.attach(m, vocab_size=100, policy={"export": {"serve": None}}) as g:
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with guard.attach(m, vocab_size=100, policy={"export": {"serve": None}}, optimizer=opt) as g:
         g.add_sink(sink)
         _, loss = m(*batch())
-        g.step(loss)
+        loss.backward()
+        opt.step()
     (report,) = sink.batch().reports[:1]
     assert series_of(report) == TYPICAL_SERIES_PER_RANK
 
@@ -94,6 +96,8 @@ def test_the_label_values_are_declared_once_on_the_wire() -> None:
     report = guarded_run_reports().reports[-1]
     from guard_server.families import PER_RANK
 
+    report = report.model_copy(update={"nonfinite": report.nonfinite.model_copy(
+        update={"grad": 0})})  # as a rank whose gradients are checked reports it
     emitted = {f.name: {extra for extra, _ in f.samples(report, 0.0)} for f in PER_RANK}
     assert emitted["guard_nonfinite_values_total"] == {(t,) for t in TENSORS}
     assert emitted["guard_out_of_range_tokens_total"] == {(k,) for k in ID_KINDS}

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, fmt
 from guard.policy import Policy
 
-__all__ = ["COUNT", "FUSED", "LOSS_MAX", "MAX", "SPEC", "SUM", "PaddingMass", "bound"]
+__all__ = ["COUNT", "FUSED", "LOSS_MAX", "LSE_COUNT", "LSE_MAX", "LSE_SHIFT", "LSE_SUM", "MAX",
+           "SPEC", "SUM", "PaddingMass", "bound"]
 
 SUM = Slot("padding_mass.sum")  # the masses of the sampled positions, summed
 COUNT = Slot("padding_mass.count")  # positions sampled
@@ -27,6 +28,14 @@ MAX = Slot("padding_mass.max", "max")  # the largest position's mass, before any
 # them, none where the mask did (written by guard/device/logits.py). What fires the check.
 LOSS_MAX = Slot("padding_mass.loss_max", "max")
 FUSED = Slot("padding_mass.fused")  # forwards measured from the final hidden states (no head)
+# log Z of the real columns at the sampled positions (the padding mass's own logsumexp): a
+# figure, what PaLM's and OLMo's z-loss keeps near 0; logits that grow before they diverge.
+LSE_SUM = Slot("padding_mass.lse_sum")  # over the positions whose log Z is finite
+LSE_COUNT = Slot("padding_mass.lse_count")  # those positions
+# Their largest, plus LSE_SHIFT: a slot's max starts from 0 at each window, and a log Z may be
+# negative (logits pushed down by a z-loss); no finite float32 logits give one under -1e6.
+LSE_MAX = Slot("padding_mass.lse_max", "max")
+LSE_SHIFT = 1e6
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,8 @@ class PaddingMass:
     max: float | None
     loss_max: float  # the largest mass the loss trained on
     fused: int  # forwards whose head was not called (a fused loss kernel read its weight)
+    logsumexp: float | None = None  # log Z, mean over the sampled positions; None: none
+    logsumexp_max: float | None = None
 
 
 def bound(policy: Policy, real: int, columns: int) -> float:
@@ -52,9 +63,10 @@ def bound(policy: Policy, real: int, columns: int) -> float:
 
 
 def _figures(raw: Raw) -> PaddingMass:
-    count = raw[COUNT]
+    count, lse = raw[COUNT], raw[LSE_COUNT]
     return PaddingMass(raw[SUM] / count if count else None, raw[MAX] if count else None,
-                       raw[LOSS_MAX], int(raw[FUSED]))
+                       raw[LOSS_MAX], int(raw[FUSED]), raw[LSE_SUM] / lse if lse else None,
+                       raw[LSE_MAX] - LSE_SHIFT if lse else None)
 
 
 def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
@@ -62,7 +74,8 @@ def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
 
 
 def _stats(f: PaddingMass) -> Stats:
-    return {"padding_mass": f.mean, "padding_mass_max": f.max}
+    return {"padding_mass": f.mean, "padding_mass_max": f.max, "logsumexp": f.logsumexp,
+            "logsumexp_max": f.logsumexp_max}
 
 
 def _describe(f: PaddingMass, c: Context) -> Found:
@@ -89,5 +102,6 @@ def _describe(f: PaddingMass, c: Context) -> Found:
         f"{padding} padding columns [{c.real}, {c.rows}): {expected}; {c.next}. {fix}"))
 
 
-SPEC = Spec("padding_mass", (SUM, COUNT, MAX, LOSS_MAX, FUSED), _figures, _thresholds,
+SPEC = Spec("padding_mass", (SUM, COUNT, MAX, LOSS_MAX, FUSED, LSE_SUM, LSE_COUNT, LSE_MAX),
+            _figures, _thresholds,
             ("logits",), _stats, _describe)

@@ -19,10 +19,10 @@ from guard.policy import Policy
 from guard_server.wire import CheckName
 
 __all__ = ["Context", "Figures", "Found", "Gauges", "Name", "Raw", "Reduce", "SeenKind", "Setup",
-           "Slot", "Spec", "Stats", "Watching", "fmt", "listed"]
+           "Slot", "Spec", "Stats", "Total", "Watching", "fmt", "listed"]
 
-# A spec's name: a check's (the policy's key and the wire's), or the loss the checks share.
-Name = CheckName | Literal["loss"]
+# A spec's name: a check's (the policy's key and the wire's), or a figure the checks share.
+Name = CheckName | Literal["loss", "grads"]
 
 # How a slot accumulates within a read window, and combines over ranks (all-reduce MAX) and
 # over two windows read at once (a lagged read still queued).
@@ -32,11 +32,17 @@ SeenKind = Literal["logits", "inputs", "labels", "loss"]
 # Per kind of data, the enabled checks that need it; empty where coverage is off.
 Watching = Mapping[SeenKind, tuple[CheckName, ...]]
 # A check's figures in `g.stats` and on the wire, named as there: a gauge (a float, None when
-# the window measured nothing) or counts per kind, added up since attach.
-Stats = Mapping[str, float | Mapping[Any, int] | None]
+# the window measured nothing; text, a name), a count (`Total`) or counts per kind, added up
+# since attach.
+Stats = Mapping[str, float | str | Mapping[Any, int] | None]
 
 F = TypeVar("F")
 K = TypeVar("K", bound=str)
+
+
+class Total(int):
+    """A count of the window that adds up since attach in `g.stats` and on the wire (a gauge,
+    a plain float, replaces the last read's)."""
 
 
 class Gauges(dict[str, int]):
@@ -139,8 +145,8 @@ class Spec(Generic[F]):
     def check(self) -> CheckName:
         """Its name as a check: the key the policy and the wire know it by."""
         name = self.name
-        if name == "loss":
-            raise TypeError("the loss spec is a figure the checks share, not a check")
+        if name == "loss" or name == "grads":
+            raise TypeError(f"the {name} spec is a figure the checks share, not a check")
         return name
 
 

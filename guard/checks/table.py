@@ -1,6 +1,7 @@
 """The per-step checks, one spec each (guard/checks/<name>.py), in the order of a verdict:
-cause first. Ghost ids explain an infinite loss under the mask, not the reverse; ids on rows
-that were never trained explain a NaN in half precision; a blind check explains a quiet one."""
+cause first. A broken tie of embedding and head explains the rest; ghost ids explain an
+infinite loss under the mask, not the reverse; ids on rows that were never trained explain a
+NaN in half precision; a blind check explains a quiet one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from guard.checks import (
     coverage,
+    grads,
     loss,
     loss_spike,
     nonfinite,
@@ -16,6 +18,7 @@ from guard.checks import (
     padding_rows,
     token_range,
     untrained_rows,
+    vocab,
 )
 from guard.checks.spec import SeenKind, Spec, Watching
 from guard.policy import Policy
@@ -23,11 +26,11 @@ from guard_server.wire import CheckName
 
 __all__ = ["CHECKS", "SPECS", "watching"]
 
-CHECKS: tuple[Spec[Any], ...] = (token_range.SPEC, untrained_rows.SPEC, padding_mass.SPEC,
-                                 nonfinite.SPEC, loss_spike.SPEC, padding_rows.SPEC,
-                                 coverage.SPEC)
-# Every spec with slots in the flags: the checks and the loss they share.
-SPECS: tuple[Spec[Any], ...] = (loss.SPEC, *CHECKS)
+CHECKS: tuple[Spec[Any], ...] = (vocab.SPEC, token_range.SPEC, untrained_rows.SPEC,
+                                 padding_mass.SPEC, nonfinite.SPEC, loss_spike.SPEC,
+                                 padding_rows.SPEC, coverage.SPEC)
+# Every spec with slots in the flags: the checks and the figures they share.
+SPECS: tuple[Spec[Any], ...] = (loss.SPEC, grads.SPEC, *CHECKS)
 
 
 @functools.cache  # a Policy is frozen: asked at every read, answered once

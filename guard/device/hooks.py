@@ -16,7 +16,8 @@ from guard.device.compile import eager_at_top_level
 
 __all__ = ["Compiled", "Handle", "Kind", "hook", "registered", "wrap_loss"]
 
-Kind = Literal["forward_pre", "forward", "step_pre"]
+# grad_accumulated: on a parameter, after its .grad was accumulated in a backward.
+Kind = Literal["forward_pre", "forward", "step_pre", "grad_accumulated"]
 # Under torch.compile: "traced" like the model's own code (the default); "eager": run eagerly
 # where dynamo meets the hook as a frame of its own, traced where it is inlined (host
 # bookkeeping and tiny ops, compile.eager_at_top_level); "never": never traced (host work that
@@ -28,7 +29,8 @@ Compiled = Literal["traced", "eager", "never"]
 _REGISTERED: dict[CodeType, str] = {}
 
 
-def hook(target: nn.Module | torch.optim.Optimizer, fn: Callable[..., Any], *, kind: Kind,
+def hook(target: nn.Module | torch.optim.Optimizer | torch.Tensor, fn: Callable[..., Any], *,
+         kind: Kind,
          compiled: Compiled = "traced", **kwargs: Any) -> RemovableHandle:
     """Register `fn` on `target` as a `kind` hook (torch's own keywords, `with_kwargs=True`,
     `prepend=True`, pass through) and return torch's handle."""
@@ -42,6 +44,13 @@ def hook(target: nn.Module | torch.optim.Optimizer, fn: Callable[..., Any], *, k
         if not isinstance(target, torch.optim.Optimizer):
             raise TypeError(f"a step_pre hook goes on an optimizer, got {type(target).__name__}")
         return target.register_step_pre_hook(fn)
+    if kind == "grad_accumulated":
+        if not isinstance(target, torch.Tensor):
+            raise TypeError(f"a grad_accumulated hook goes on a parameter, got "
+                            f"{type(target).__name__}")
+        handle: RemovableHandle = target.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            fn)
+        return handle
     if not isinstance(target, nn.Module):
         raise TypeError(f"a {kind} hook goes on a module, got {type(target).__name__}")
     if kind == "forward_pre":

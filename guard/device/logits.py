@@ -163,6 +163,13 @@ class Logits:
             f.put(padding_mass.MAX, top)
             if not masked:
                 f.put(padding_mass.LOSS_MAX, top)
+            # log Z of the same positions, a figure from the values already reduced: over the
+            # finite ones (a non-finite one is the nonfinite check's).
+            finite = torch.isfinite(lse_real)
+            f.put(padding_mass.LSE_SUM, torch.where(finite, lse_real, 0.0).sum())
+            f.put(padding_mass.LSE_COUNT, finite.sum())
+            top_lse = torch.where(finite, lse_real, -torch.inf).max().to(f.t.dtype)
+            f.put(padding_mass.LSE_MAX, top_lse + padding_mass.LSE_SHIFT)  # float64: exact
         else:
             lse_real = positions[:, :real].sum(dim=-1, dtype=torch.float32)  # (n,)
         if c.padding_mass:

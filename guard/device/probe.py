@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from guard.checks import coverage, nonfinite
+from guard.checks import coverage, grads, nonfinite
 from guard.device.flags import Flags
 from guard.device.fused import FusedHead
 from guard.device.hooks import Handle, hook
@@ -34,10 +34,12 @@ class Watched(IdWatcher, Protocol):
     """What the probe asks of a stateful check's state (guard/stateful/state.py)."""
 
     @property
-    def reads_weights(self) -> bool: ...
+    def at_detach(self) -> bool: ...
 
     @property
     def reads_at_attach(self) -> bool: ...
+
+    def end_step(self) -> None: ...
 
     def check(self) -> None: ...
 
@@ -63,6 +65,7 @@ class Probe:
         # Where the logits the loss sees come out: measured and masked there.
         self.site = LogitsSite(cfg, self.logits)
         self.fused: FusedHead | None = None  # a fused LM head handed the real rows (TRL)
+        self._skips_watched = False  # the clock tells the updates the loop skipped
 
     @classmethod
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
@@ -91,14 +94,26 @@ class Probe:
         self.site.notes.clear()
         self.logits.begin(step)
         self.loss.fold()
+        for state in self.states:  # the gradients, before the update
+            state.end_step()
         self.flags.end_step()
 
+    def watch_skips(self) -> None:
+        """From now on the clock tells each update the loop skipped (a figure from then)."""
+        self._skips_watched = True
+
+    def skipped_update(self) -> None:
+        """A step ended without an optimizer step although its backward ran (GradScaler)."""
+        self.flags.put(grads.SKIPPED, 1.0)
+
     def read(self, *, lagged: bool, reduce: bool = True, weights: bool = True) -> Reading | None:
-        """The flags, after each state's reductions (device ops; those that read the weights
-        only when `weights`)."""
+        """The flags, after each state's reductions (device ops; not `weights`: the read of
+        detach, only those that run there)."""
         for state in self.states:
-            if weights or not state.reads_weights:
+            if weights or state.at_detach:
                 state.check()
+        if self._skips_watched:
+            self.flags.put(grads.WATCHED, 1.0)
         return self.flags.read(lagged=lagged, reduce=reduce)
 
     def flush(self) -> Reading | None:

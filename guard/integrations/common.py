@@ -60,7 +60,7 @@ class GuardedTraining:
 
     def _attach(self, model: nn.Module, *, optimizer: Any = None, processing_class: Any = None,
                 steps: guard.Steps = "auto", loss_shares: guard.LossShares | None = None,
-                loss_scale: float = 1.0) -> guard.Guard:
+                loss_scale: float = 1.0, scaler: Any = None) -> guard.Guard:
         """Attach to `model`; the trainer's tokenizer gives the real vocab unless one was given."""
         self._detach()  # a run that raised leaves its guard attached until the next one
         self.release()
@@ -68,7 +68,7 @@ class GuardedTraining:
                             tokenizer=self._tokenizer(processing_class), optimizer=optimizer,
                             embedding=self.embedding, lm_head=self.lm_head,
                             vocab_shard=self.vocab_shard, steps=steps,
-                            loss_shares=loss_shares, loss_scale=loss_scale)
+                            loss_shares=loss_shares, loss_scale=loss_scale, scaler=scaler)
         return self.guard
 
     def _detach(self, *, keep_mask: bool = False) -> None:

@@ -61,7 +61,9 @@ class GuardCallback(GuardedTraining, pl.Callback):
         tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
         # Lightning runs forward and backward inside optimizer.step(closure): only this
         # callback knows where a step ends.
-        self._attach(target, processing_class=tokenizer, steps="manual")
+        # Under 16-mixed its GradScaler skips the updates whose gradients are not finite.
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._attach(target, processing_class=tokenizer, steps="manual", scaler=scaler)
         opts = trainer.optimizers
         self._optimizer = guard.torch_optimizer(opts[0]) if opts else None
 

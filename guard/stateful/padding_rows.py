@@ -21,7 +21,7 @@ log = logging.getLogger("guard")
 
 class PaddingRowsState(CheckState):
     spec = padding_rows.SPEC
-    reads_weights = True
+    at_detach = False  # reads the weights
 
     def __init__(self, rows: PaddingRows | None, action: Action, real: int, total: int) -> None:
         # None where no weight has a padding row on this process (a vocab-parallel shard of

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from guard.checks.spec import Spec
+from guard.checks.spec import Spec, Stats
 from guard.device.flags import Flags
 from guard.device.reading import Reading
 from guard.policy import Policy
@@ -34,6 +34,8 @@ class Attaching:
     model: nn.Module  # the module the guard hooks
     rank: int
     tokenizer: Any = None  # as given to attach (names ids in messages)
+    optimizer: torch.optim.Optimizer | None = None  # the torch optimizer whose step is hooked
+    scaled: bool = False  # a GradScaler skips the updates whose gradients are not finite
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,9 @@ class CheckState:
     defaults do nothing, so a check defines only the verbs it has."""
 
     spec: ClassVar[Spec[Any]]
-    reads_weights: ClassVar[bool] = False  # `check` reads the weights: skipped at detach
+    # `check` runs at the read of detach too, local: one rank may detach alone, so a check
+    # that reads the weights or calls a collective does not.
+    at_detach: ClassVar[bool] = True
 
     @property
     def check_name(self) -> CheckName:
@@ -71,8 +75,16 @@ class CheckState:
     def count(self, kind: IdKind, ids: torch.Tensor) -> None:
         """A training forward's ids of `kind`, into the flags: device ops only."""
 
+    def end_step(self) -> None:
+        """At each step boundary (before the update where the boundary is the optimizer's
+        step or g.step()): its reductions into the flags, device ops only."""
+
     def check(self) -> None:
         """Before each read of the flags: its reductions into them (device ops only)."""
+
+    def stats(self, reading: Reading) -> Stats:
+        """Its figures in `g.stats` and the report that only the host knows (names)."""
+        return {}
 
     def detail(self, reading: Reading, *, reduce: bool) -> str:
         """At a read where its check fired: what the host adds to the message. `reduce`: the

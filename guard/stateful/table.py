@@ -6,16 +6,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from guard.checks import CHECKS
+from guard.stateful.nonfinite import GradState
 from guard.stateful.padding_rows import PaddingRowsState
 from guard.stateful.state import Attaching, CheckState
 from guard.stateful.untrained_rows import UntrainedRowsState
+from guard.stateful.vocab import TieState
 from guard_server.wire import CheckName
 
 __all__ = ["STATEFUL", "attach_states"]
 
 # Per stateful check, what makes its state at attach (None: nothing to watch on this model).
 STATEFUL: Mapping[CheckName, Callable[[Attaching], CheckState | None]] = {
+    "vocab": TieState.attach,
     "untrained_rows": UntrainedRowsState.attach,
+    "nonfinite": GradState.attach,
     "padding_rows": PaddingRowsState.attach,
 }
 

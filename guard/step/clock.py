@@ -23,13 +23,15 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 from torch import nn
 
+from guard.device.compile import compiling
 from guard.device.hooks import Handle, hook
 from guard.device.reading import Reading
 from guard.errors import AttachError
 from guard.policy import Action, Policy
 from guard.step.reader import When
 
-__all__ = ["Boundary", "Device", "OnRead", "StepClock", "Steps", "check_boundaries"]
+__all__ = ["Boundary", "Device", "OnRead", "StepClock", "Steps", "boundary_of",
+           "check_boundaries"]
 
 log = logging.getLogger("guard")
 
@@ -54,6 +56,15 @@ class Device(Protocol):
              weights: bool = True) -> Reading | None: ...
 
     def flush(self) -> Reading | None: ...
+
+    def watch_skips(self) -> None: ...
+
+    def skipped_update(self) -> None: ...
+
+
+def boundary_of(optimizer: object, steps: Steps) -> Boundary:
+    """Where a step ends, from attach's `optimizer=` and `steps=`."""
+    return "manual" if steps == "manual" else "optimizer" if optimizer is not None else "forward"
 
 
 class OnRead(Protocol):
@@ -106,20 +117,24 @@ class StepClock:
         self.step = 0
         self._read_step = 0  # the step whose values a lagged read returns next
         self._pending = False  # forward boundary: a forward ended, its boundary not yet run
+        # Optimizer boundary: a parameter the optimizer updates, and whether a backward
+        # reached it since the last update (a step the loop then skips still ends here).
+        self._watched: torch.Tensor | None = None
+        self._backward = False
 
     @classmethod
     def from_policy(cls, policy: Policy, device: Device, reader: OnRead, *,
                     optimizer: torch.optim.Optimizer | None, steps: Steps) -> StepClock:
-        boundary: Boundary = ("manual" if steps == "manual"
-                              else "optimizer" if optimizer is not None else "forward")
-        return cls(device, reader, boundary=boundary, read_every=policy.cadence.read_every,
+        return cls(device, reader, boundary=boundary_of(optimizer, steps),
+                   read_every=policy.cadence.read_every,
                    may_lag=policy.host_may_lag)
 
     def install(self, model: nn.Module,
                 optimizer: torch.optim.Optimizer | None) -> list[Handle]:
         """The hooks of this clock's boundary (none for `manual`)."""
         if self.boundary == "optimizer" and optimizer is not None:
-            return [hook(optimizer, self._optimizer_pre, kind="step_pre")]
+            return [hook(optimizer, self._optimizer_pre, kind="step_pre"),
+                    *self._skips(model, optimizer)]
         if self.boundary != "forward":
             return []
         # The start may read the flags, so torch.compile must never trace it: it runs eagerly
@@ -129,6 +144,23 @@ class StepClock:
         return [hook(model, self._forward_start, kind="forward_pre", compiled="never",
                      prepend=True),
                 hook(model, self._forward_end, kind="forward", compiled="eager")]
+
+    def _skips(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Handle]:
+        """A loop may skip the optimizer's step after its backward (GradScaler, when it found
+        an inf/NaN gradient: the update is the scaler's to drop, no violation); the step still
+        ends, when the next training forward starts with the gradients cleared. A backward is
+        seen on one parameter the optimizer updates; zero_grad(set_to_none=False) leaves
+        zeros, which this cannot tell from an accumulation: there the skipped step's figures
+        go with the next one."""
+        self._watched = next((p for g in optimizer.param_groups for p in g["params"]
+                              if p.requires_grad), None)
+        if self._watched is None:
+            return []
+        self._device.watch_skips()
+        return [hook(self._watched, self._backward_ran, kind="grad_accumulated",
+                     compiled="eager"),
+                hook(model, self._forward_after_skip, kind="forward_pre", compiled="eager",
+                     prepend=True)]
 
     def start(self) -> None:
         """At attach, before any hook: the weights as they are before step 1 (all ranks attach:
@@ -182,7 +214,25 @@ class StepClock:
 
     # -- boundary hooks ----------------------------------------------------------------------
 
+    def _backward_ran(self, param: torch.Tensor) -> None:
+        if not compiling():
+            self._backward = True
+
+    def _forward_after_skip(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        # A training forward after a backward whose update never came, the gradients cleared
+        # since: that step ended without an optimizer step. Traced inside a compiled training
+        # step it does nothing (no guard on host state, no read in a graph): there a skipped
+        # update's figures go with the next step's.
+        if compiling():
+            return
+        if self._backward and module.training and torch.is_grad_enabled() and \
+                self._watched is not None and self._watched.grad is None:
+            self._backward = False
+            self._device.skipped_update()
+            self.tick()
+
     def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._backward = False  # this backward's update comes now
         # The hook sees step's own args: (optimizer, closure?) and kwargs.
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if self.tick(in_step=True, closure=closure is not None):

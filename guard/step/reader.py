@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
+from guard.checks.spec import Stats
 from guard.device.reading import Reading
 from guard.policy import Action, Policy
 from guard.step.episodes import Episodes
@@ -41,6 +42,8 @@ class Stateful(Protocol):
 
     def detail(self, reading: Reading, *, reduce: bool) -> str: ...
 
+    def stats(self, reading: Reading) -> Stats: ...
+
     def repair(self) -> None: ...
 
 
@@ -64,7 +67,7 @@ class Reader:
         `closure`: that step was given a closure, which recomputes the gradients.
         """
         record = self._record
-        record.update(reading.local, step)
+        record.update(reading.local, step, *(s.stats(reading) for s in self._states))
         # What each state whose check fired adds to its message, combined over ranks unless
         # read at detach (one rank may detach alone): every rank asks the same states.
         fired = [s for s in self._states if reading.fired_on(s.check_name) is not None]

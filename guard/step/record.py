@@ -17,7 +17,7 @@ from annotated_types import Ge, Le
 from pydantic import ValidationError
 
 from guard.checks import SPECS
-from guard.checks.spec import Gauges
+from guard.checks.spec import Gauges, Stats, Total
 from guard.device.reading import LAYOUT, Values
 from guard.policy import CHECKS, Action, Policy, default_run_id
 from guard.quote import quote
@@ -129,17 +129,20 @@ class Record:
         s["violations"] = {c: dict(a) for c, a in self._violations.items()}
         return s
 
-    def update(self, values: Values, step: int) -> None:
+    def update(self, values: Values, step: int, *extra: Stats) -> None:
         """This rank's figures of one read: the gauges as of now (unless the window measured
-        none), the counts added."""
+        none), the counts added; `extra`, what the stateful checks add (names)."""
         s = self._stats
         s["step"] = step
-        for name, value in _figures(values).items():
+        for name, value in [*_figures(values).items(), *(i for e in extra for i in e.items())]:
             if isinstance(value, Gauges):  # a state per kind: as of now
                 s[name] = dict(value)
+            elif isinstance(value, Total):  # a count: added up, from the first reported
+                s[name] = (s.get(name) or 0) + value
             elif isinstance(value, Mapping):
+                held = s.setdefault(name, {})
                 for kind, n in value.items():
-                    s[name][kind] += n
+                    held[kind] = held.get(kind, 0) + n
             elif value is not None:
                 s[name] = value
 
@@ -176,6 +179,8 @@ class Record:
         events, self._events = self._events[-MAX_EVENTS:], []
         figures: dict[str, Any] = {
             name: {k: _count(n) for k, n in value.items()} if isinstance(value, Mapping)
+            else value[:MAX_MODULE] if isinstance(value, str)
+            else _count(value) if isinstance(value, int) and not isinstance(value, bool)
             else _gauge(name, value) for name, value in self._figures_held().items()}
         return StepReport(
             attach_id=self.attach_id, step=_count(s["step"]), timestamp=time.time(), **figures,
@@ -204,8 +209,8 @@ class Record:
         for name, value in self._figures_held().items():
             if isinstance(value, Mapping):
                 out.update({f"{name}/{k}": n for k, n in value.items()})
-            elif value is not None and name not in _NOT_LOGGED:
-                out[name] = value  # None: nothing measured (check off, or no padding)
+            elif isinstance(value, int | float) and name not in _NOT_LOGGED:
+                out[name] = value  # None: nothing measured (check off, or no padding); text
         for check, actions in self._violation_counts().items():
             out.update({f"violations/{check}/{a}": n for a, n in actions.items()})
         out["skipped_steps"] = s["skipped_steps"]

@@ -13,9 +13,9 @@ from guard_server.wire import Event, StepReport
 __all__ = ["Budget", "Over", "event_bytes", "report_bytes", "run_bytes"]
 
 # Estimated bytes held, upper bounds measured with tracemalloc on CPython 3.11 / pydantic 2
-# (tests/server/test_store.py checks them against tracemalloc): a stored report is ~4.0 KiB
-# plus its violation counts, an event ~1 KiB plus its strings.
-_RANK_BYTES = 4200 + 1024  # the report, the rank's slot, its event deque
+# (tests/server/test_store.py checks them against tracemalloc): a stored report is ~5.8 KiB
+# plus its violation counts and its parameter's name, an event ~1 KiB plus its strings.
+_RANK_BYTES = 5900 + 1024  # the report, the rank's slot, its event deque
 _CHECK_BYTES = 250  # one check's dict of actions in `violations`
 _COUNT_BYTES = 100  # one (action, count) entry
 _EVENT_BYTES = 1100
@@ -30,7 +30,8 @@ def event_bytes(event: Event) -> int:
 
 def report_bytes(report: StepReport) -> int:
     counts = sum(len(by_action) for by_action in report.violations.values())
-    return _RANK_BYTES + _CHECK_BYTES * len(report.violations) + _COUNT_BYTES * counts
+    top = 0 if report.grad_norm_top is None else sys.getsizeof(report.grad_norm_top)
+    return _RANK_BYTES + _CHECK_BYTES * len(report.violations) + _COUNT_BYTES * counts + top
 
 
 def run_bytes(run_id: str) -> int:

@@ -36,6 +36,11 @@ class Family:
     count: Callable[[StepReport], int] | None = None
 
 
+def _gauge(value: float | None) -> Samples:
+    """A family without labels of its own: one sample, or none where the rank reports none."""
+    return () if value is None else (((), value),)
+
+
 def _violations(r: StepReport, seen: float) -> Samples:
     return [((check, action), count) for check, by_action in r.violations.items()
             for action, count in by_action.items()]
@@ -48,20 +53,19 @@ PER_RANK: tuple[Family, ...] = (
            "Unix time at which the server last accepted a report from this rank.", (),
            lambda r, seen: (((), seen),)),
     Family("guard_loss", "gauge", "Last finite loss the guard saw on this rank.", (),
-           lambda r, seen: () if r.loss is None else (((), r.loss),), varies=True),
+           lambda r, seen: _gauge(r.loss), varies=True),
     Family("guard_padding_mass_ratio", "gauge",
            "Mean softmax probability on the padding columns [real, rows) over sampled tokens, "
            "before any mask; should be ~0.", (),
-           lambda r, seen: () if r.padding_mass is None else (((), r.padding_mass),),
-           varies=True),
+           lambda r, seen: _gauge(r.padding_mass), varies=True),
     Family("guard_padding_mass_max_ratio", "gauge",
            "Largest per-token softmax probability on the padding columns, before any mask.", (),
-           lambda r, seen: () if r.padding_mass_max is None
-           else (((), r.padding_mass_max),), varies=True),
+           lambda r, seen: _gauge(r.padding_mass_max), varies=True),
     Family("guard_nonfinite_values_total", "counter",
            "NaN/Inf values seen since attach, per tensor (logits, hidden, loss).", ("tensor",),
-           lambda r, seen: [((t,), getattr(r.nonfinite, t)) for t in TENSORS],
-           most=len(TENSORS)),
+           lambda r, seen: [((t,), n) for t in TENSORS
+                            if (n := getattr(r.nonfinite, t)) is not None],
+           most=len(TENSORS), varies=True),
     Family("guard_out_of_range_tokens_total", "counter",
            "Token ids in [real, rows) or outside [0, rows) seen since attach, per kind.",
            ("kind",), lambda r, seen: [((k,), getattr(r.out_of_range, k)) for k in ID_KINDS],
@@ -76,6 +80,18 @@ PER_RANK: tuple[Family, ...] = (
            "Input ids and labels that fell on never-trained rows since attach, per kind.",
            ("kind",), lambda r, seen: [((k,), getattr(r.untrained_tokens, k)) for k in ID_KINDS],
            most=len(ID_KINDS)),
+    Family("guard_grad_norm", "gauge",
+           "Total gradient norm of the last step read (over every gradient the optimizer "
+           "applies).", (), lambda r, seen: _gauge(r.grad_norm), varies=True),
+    Family("guard_logsumexp", "gauge",
+           "log Z of the real-vocab logits, mean over the sampled positions (z-loss keeps it "
+           "near 0).", (), lambda r, seen: _gauge(r.logsumexp), varies=True),
+    Family("guard_logsumexp_max", "gauge",
+           "log Z of the real-vocab logits, largest over the sampled positions.", (),
+           lambda r, seen: _gauge(r.logsumexp_max), varies=True),
+    Family("guard_scaler_skipped_steps_total", "counter",
+           "Optimizer updates the training loop skipped (GradScaler found inf/NaN gradients).",
+           (), lambda r, seen: _gauge(r.scaler_skipped_steps), varies=True),
     Family("guard_violations_total", "counter",
            "Check violations since attach, per check and action.", ("check", "action"),
            _violations, most=len(CHECKS) * len(ACTIONS), varies=True,

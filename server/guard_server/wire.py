@@ -52,7 +52,8 @@ ACTIONS: tuple[ActionName, ...] = get_args(ActionName)
 # The values of the per-kind labels, declared once here: each is also the fields of its report
 # model below, in this order (tests/server/test_wire.py holds them equal), and the library's
 # specs key their slots by them (guard/checks/), the metric families emit them (families.py).
-TensorKind = Literal["logits", "hidden", "loss"]  # NonFinite: guard_nonfinite_values_total
+# NonFinite: guard_nonfinite_values_total; "grad" came after the first release (optional).
+TensorKind = Literal["logits", "hidden", "loss", "grad"]
 IdKind = Literal["input", "label"]  # OutOfRange, UntrainedTokens: their `kind` label
 WeightName = Literal["embedding", "lm_head"]  # UntrainedRows: guard_untrained_rows{weight}
 TENSORS: tuple[TensorKind, ...] = get_args(TensorKind)
@@ -112,11 +113,13 @@ class _Wire(BaseModel):
 
 
 class NonFinite(_Wire):
-    """Cumulative count of non-finite values seen per tensor."""
+    """Cumulative count of non-finite values seen per tensor (for the logits, the positions;
+    for the gradients, the parameters whose gradient holds a NaN/Inf)."""
 
     logits: Count
     hidden: Count
     loss: Count
+    grad: Count | None = None  # None: the gradients are not checked (or an older client)
 
 
 class OutOfRange(_Wire):
@@ -180,6 +183,13 @@ class StepReport(_Wire):
     dropped_reports: Count
     final: bool
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)]
+    # Added after the first release: optional, absent or None = not reported (never a zero).
+    grad_norm: Finite | None = None  # the total gradient norm of the last step read
+    grad_norm_top: Annotated[str, Field(max_length=MAX_MODULE)] | None = None  # its largest
+    grad_norm_top_share: Ratio | None = None  # that parameter's share of the squared norm
+    logsumexp: Finite | None = None  # log Z of the real-vocab logits, mean over the sample
+    logsumexp_max: Finite | None = None  # and its largest
+    scaler_skipped_steps: Count | None = None  # updates the loop skipped (GradScaler)
 
 
 class ReportBatch(_Wire):

@@ -82,6 +82,10 @@ def fault_exposition(scrape: int, now: float) -> str:
             (f'{r1},check="coverage",action="warn"', 0),
         ]),
         ("guard_skipped_steps_total", "counter", [(r0, n), (r1, 0)]),
+        ("guard_grad_norm", "gauge", [(r0, 1e18), (r1, 0.8)]),  # a near-zero row dominates
+        ("guard_logsumexp", "gauge", [(r0, 31.0), (r1, 10.8)]),
+        ("guard_logsumexp_max", "gauge", [(r0, 45.0), (r1, 11.2)]),
+        ("guard_scaler_skipped_steps_total", "counter", [(r0, 2 * n), (r1, 0)]),
         ("guard_halted", "gauge", [(f'{r0},check="nonfinite"', 1)]),
         ("guard_vocab_size", "gauge", [
             (f'{r},kind="{kind}"', size)

@@ -79,7 +79,7 @@ FIRING: dict[str, set[str]] = {
     "GuardUntrainedTokens": {"1"},
 }
 FIRING_LABELS: dict[str, tuple[str, set[str]]] = {
-    "GuardNonFinite": ("tensor", {"logits", "hidden", "loss"}),
+    "GuardNonFinite": ("tensor", {"logits", "hidden", "loss", "grad"}),
     "GuardHalted": ("check", {"nonfinite"}),
     "GuardTokenOutOfRange": ("kind", {"label"}),
     "GuardLossSpike": ("action", {"warn"}),
@@ -284,7 +284,7 @@ def test_panels_show_the_faults(live: Live) -> None:
     mass = _by(q(_panel("Padding mass, mean (pre-mask)")), "rank")
     assert set(mass) == {("0",), ("1",), ("2",)} and min(mass.values()) > 1e-6, mass
     assert _positive(q(_panel("Non-finite values by tensor")), "rank", "tensor") == {
-        (rank, tensor) for rank in ("1", "2") for tensor in ("logits", "hidden", "loss")
+        (rank, tensor) for rank in ("1", "2") for tensor in ("logits", "hidden", "loss", "grad")
     }
     assert _positive(q(_panel("Ghost tokens by kind")), "rank", "kind") == {("1", "label")}
     assert _positive(q(_panel("Violations by check and action")), "check", "action") == {

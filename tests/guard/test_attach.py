@@ -15,7 +15,10 @@ from tests.conftest import batch, hook_count, no_host_reads, policy, tiny_gpt
 from tests.guard.vocab.test_discover import hf_gpt2
 
 STATS_KEYS = {"step", "loss", "padding_mass", "padding_mass_max", "nonfinite", "out_of_range",
-              "untrained_rows", "untrained_tokens", "violations", "skipped_steps"}
+              "untrained_rows", "untrained_tokens", "violations", "skipped_steps",
+              "grad_norm", "grad_norm_top", "grad_norm_top_share", "scaler_skipped_steps",
+              "logsumexp",
+              "logsumexp_max"}
 ALL_WARN = policy(alignment={"action": "warn"}, vocab={"action": "warn"},
                   padding_mass={"action": "warn"}, nonfinite={"action": "warn"},
                   token_range={"action": "warn"}, padding_rows={"action": "warn"})

@@ -10,7 +10,8 @@ the guard attached to the wrapper or to its `.module`), `fsdp2` (nanoGPT under F
 alone feeds a ghost label at step 3; every rank writes OUT_DIR/rank<N>.json with the
 step it raised at, the violation's data, its collective counts and its /metrics endpoint.
 MODE `fsdp2-checks` runs the other checks under FSDP2 instead (FSDP2_CHECKS), one entry each;
-`repair-order` two repairs at one read under FSDP2, the ranks under different hash seeds.
+`repair-order` two repairs at one read under FSDP2, the ranks under different hash seeds;
+`nan-grad-ddp` / `nan-grad-fsdp2` a NaN born in rank 1's backward, under fail and skip.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import guard
 from guard.device.flags import Flags
 from tests.conftest import batch, policy, tiny_gpt
+from tests.guard.test_backward_nan import NaNBackward
 from tests.integrations.nanogpt import nanogpt
 
 GHOST_RANK, GHOST_STEP, STEPS = 1, 3, 6
@@ -281,6 +283,49 @@ def both_repairs_at_one_read() -> dict[str, Any]:
                 full[100:], full[:100].mean(dim=0).expand(28, -1), atol=1e-6))}
 
 
+NAN_RANK, NAN_STEP = 1, 2
+
+
+def nan_gradient(wrap: str) -> dict[str, Any]:
+    """nanoGPT under DDP or FSDP2; at step 2 rank 1 alone makes a NaN in the backward of its
+    first block (its forward finite). Under fail both ranks stop before that update, their
+    weights as they were; under skip both drop it and train on alike."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict[str, Any] = {}
+    for action in ("fail", "skip"):
+        model = nanogpt(garbage=None)
+        model = sharded(model) if wrap == "fsdp2" else DistributedDataParallel(model)
+        inner = model if wrap == "fsdp2" else model.module
+        step_now = {"step": 0}
+
+        def fault(module: Any, args: Any, y: torch.Tensor, now: dict[str, int] = step_now) -> Any:
+            hit = now["step"] == NAN_STEP and dist.get_rank() == NAN_RANK
+            return NaNBackward.apply(y) if hit else None
+
+        inner.transformer.h[0].register_forward_hook(fault)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        res: dict[str, Any] = {"raised_at": None}
+        with guard.attach(inner, policy=policy(nonfinite={"action": action}), vocab_size=100,
+                          optimizer=opt) as g:
+            try:
+                for step in range(1, 5):
+                    step_now["step"] = step
+                    _, loss = model(*rank_batch(step, dist.get_rank()))
+                    loss.backward()
+                    before = [p.detach().clone() for p in model.parameters()]
+                    opt.step()
+                    opt.zero_grad()
+            except guard.GuardViolation as e:
+                res.update(raised_at=step, violation=violation(e), unchanged=all(
+                    torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(),
+                                                               strict=True)))
+        res["stats"] = {k: g.stats[k] for k in ("skipped_steps", "violations", "nonfinite")}
+        res["finite"] = all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())
+        out[action] = res
+    return out
+
+
 FSDP2_CHECKS = {"padding_rows": padding_rows_under_fsdp2, "mask": mask_under_fsdp2,
                 "nonfinite": nonfinite_under_fsdp2, "untrained": untrained_under_fsdp2}
 
@@ -308,6 +353,8 @@ def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
         finish(out, rank, {name: check() for name, check in FSDP2_CHECKS.items()})
     if mode == "repair-order":
         finish(out, rank, both_repairs_at_one_read())
+    if mode.startswith("nan-grad-"):
+        finish(out, rank, nan_gradient(mode.removeprefix("nan-grad-")))
     counts = {"all_reduce": 0, "read": 0, "other_collectives": 0}
     count_calls(dist, "all_reduce", counts, "all_reduce")
     for name in ("broadcast", "all_gather", "all_gather_into_tensor", "reduce", "barrier",

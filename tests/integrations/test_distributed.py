@@ -62,9 +62,11 @@ def run_ranks(tmp_path: Path, mode: str,
     return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)], serve
 
 
-def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int, attach: int = 0) -> None:
+def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int, attach: int = 0,
+                                     per_read: int = 0) -> None:
     """`attach`: the all-reduces at attach (FSDP2: untrained_rows gathers the features of the
-    rows each rank holds, once per weight)."""
+    rows each rank holds, once per weight); `per_read`: besides the read's own (FSDP2: the
+    total gradient norm sums every rank's shards, one number)."""
     assert (res["rank"], res["guard_rank"]) == (i, i)
     assert res["run_id"] == RUN_ID  # TORCHELASTIC_RUN_ID
     # Both raise at step 3, naming rank 1, though rank 0 saw nothing wrong.
@@ -73,7 +75,8 @@ def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int, attach: int = 
     assert res["message"].startswith("token_range on rank 1 at step 3: 1 label ids")
     # One all-reduce per step read (3 steps): the read at detach is local, since a rank may
     # detach alone (after an exception) and must not hang the rest.
-    assert res["counts"]["read"] == 4 and res["counts"]["all_reduce"] == 3 + attach
+    assert res["counts"]["read"] == 4
+    assert res["counts"]["all_reduce"] == 3 * (1 + per_read) + attach
 
 
 DIST = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -113,7 +116,7 @@ def test_nanogpt_under_fsdp2_stops_both_ranks_at_the_ghost_label(tmp_path: Path)
     # FSDPModule itself. Its hooks see the gathered weights, its labels the model's forward.
     r, _ = run_ranks(tmp_path, "fsdp2")
     for i, res in enumerate(r):
-        assert_both_stopped_at_the_ghost(res, i, attach=1)  # per read, FSDP2's aside
+        assert_both_stopped_at_the_ghost(res, i, attach=1, per_read=1)  # FSDP2's own aside
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +144,11 @@ def test_fsdp2_padding_rows_are_checked_and_repaired_on_each_shard_without_a_gat
         # real rows (rank 1 holds none of them); the real rows stay as they were.
         assert rows["mean_local_rows"] == (12, 32)[i] and rows["repaired"]
         # Garbage written into rank 0's shard after step 1 is seen at the step 2 read and
-        # repaired; each read costs the guard's one all-reduce, the repair one more (the sum
-        # of the real rows), and no read gathers the weight.
+        # repaired; each read costs the guard's one all-reduce and the total gradient norm's
+        # (the shards' squares summed), the repair one more (the sum of the real rows), and no
+        # read gathers the weight.
         assert rows["violations"]["padding_rows"] == {"repair": 2}
-        assert rows["step_collectives"] == [{"c10d.allreduce_": n} for n in (1, 2, 1)]
+        assert rows["step_collectives"] == [{"c10d.allreduce_": n} for n in (2, 3, 2)]
         assert rows["no_garbage_after_training"]
 
 
@@ -233,3 +237,24 @@ def test_repairs_at_one_read_run_in_the_same_order_on_every_rank(tmp_path: Path)
                                      "padding_rows": {"repair": 1}}
         assert res["untrained_repaired"] == [61, 66]
         assert res["padding_repaired"]
+
+
+@pytest.mark.slow
+@DIST
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_nan_born_in_one_ranks_backward_stops_or_skips_every_rank(tmp_path: Path,
+                                                                     wrap: str) -> None:
+    results, _ = run_ranks(tmp_path, f"nan-grad-{wrap}")
+    for res in results:
+        fail, skip = res["fail"], res["skip"]
+        # Both ranks stop at the step whose backward went NaN on rank 1, before its update.
+        assert fail["raised_at"] == 2 and fail["unchanged"] and fail["finite"]
+        v = fail["violation"]
+        assert (v["check"], v["step"]) == ("nonfinite", 2)
+        assert "born in the backward" in v["message"] and "transformer.h.0" in v["message"]
+        # skip: both drop that update and train on, the weights finite.
+        assert skip["raised_at"] is None and skip["finite"]
+        assert skip["stats"]["skipped_steps"] == 1
+        assert skip["stats"]["violations"] == {"nonfinite": {"skip": 1}}
+    if wrap == "ddp":  # one set of gradients: the same figures on both ranks
+        assert results[0]["skip"]["stats"] == results[1]["skip"]["stats"]

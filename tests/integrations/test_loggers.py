@@ -42,7 +42,11 @@ KEYS = {"step", "padding_mass", "padding_mass_max", "nonfinite/logits", "nonfini
         "violations/alignment/fail", "violations/vocab/fail", "violations/padding_mass/warn",
         "violations/nonfinite/fail", "violations/token_range/warn", "violations/coverage/warn",
         "untrained_rows/embedding", "untrained_rows/lm_head", "untrained_tokens/input",
-        "untrained_tokens/label", "violations/untrained_rows/repair"}
+        "untrained_tokens/label", "violations/untrained_rows/repair",
+        # The gradients, checked before each update, and the logits' log Z.
+        "nonfinite/grad", "grad_norm", "grad_norm_top_share", "logsumexp", "logsumexp_max"}
+# Where the optimizer's step is the boundary, the updates the loop skipped are a figure too.
+OPTIMIZER_KEYS = KEYS | {"scaler_skipped_steps"}
 
 
 def strict(cb: GuardCallback) -> GuardCallback:
@@ -112,7 +116,7 @@ def test_hf_trainer_reports_the_guard_figures_to_tensorboard(tmp_path: Path) -> 
     # step's own read (on the CPU the read is not lagged); the run's totals, logged at step 3
     # too, add none.
     tb = scalars(tmp_path, "train/")
-    assert set(tb) == KEYS
+    assert set(tb) == OPTIMIZER_KEYS
     assert all([s for s, _ in points] == [1, 2, 3] for points in tb.values())
     value = {k: [v for _, v in points] for k, points in tb.items()}
     assert value["step"] == [1, 2, 3]
@@ -125,7 +129,8 @@ def test_hf_trainer_reports_the_guard_figures_to_tensorboard(tmp_path: Path) -> 
     assert value["violations/padding_mass/warn"] == [1, 2, 3]
     assert all(value[k] == [0, 0, 0] for k in KEYS if k.startswith("nonfinite/"))
     assert value["violations/coverage/warn"] == [0, 0, 0]  # logits, labels and loss all seen
-    assert value["skipped_steps"] == [0, 0, 0]
+    assert value["skipped_steps"] == value["scaler_skipped_steps"] == [0, 0, 0]
+    assert all(n > 0 for n in value["grad_norm"])
     # The last point is the guard's own record: float32 in the event file.
     s = g.stats
     assert value["padding_mass"][-1] == pytest.approx(s["padding_mass"], rel=1e-6)

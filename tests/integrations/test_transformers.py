@@ -542,3 +542,24 @@ def test_under_warn_an_id_without_a_row_is_left_out_and_training_goes_on() -> No
     assert torch.equal(loss.detach(), expected)  # bitwise: only the label without a row moved
     assert g.stats["out_of_range"]["label"] == 1
     assert g.stats["violations"]["token_range"] == {"warn": 1}
+
+
+def test_a_nan_born_in_the_backward_stops_train_before_that_update(tmp_path: Path) -> None:
+    # The Trainer clips the gradients (max_grad_norm 1.0) and then steps: the guard reads the
+    # gradients in the optimizer's step pre-hook, after the clip, before the update.
+    from tests.guard.test_backward_nan import custom_op
+
+    tok = word_tokenizer()
+    model = gpt2(len(tok))
+    model.transformer.h[0].register_forward_hook(
+        lambda m, a, out: custom_op(out) if isinstance(out, torch.Tensor)
+        else (custom_op(out[0]), *out[1:]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = GuardCallback(policy=policy())
+    t = trainer(model, tok, examples(tok), cb, tmp_path)
+    with pytest.raises(GuardViolation) as e:
+        t.train()
+    assert (e.value.check, e.value.step) == ("nonfinite", 1)
+    assert "born in the backward" in str(e.value) and "transformer.h.0" in str(e.value)
+    assert t.state.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

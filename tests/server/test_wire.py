@@ -21,6 +21,7 @@ from guard_server.wire import (
     MAX_MODULE,
     RUN_ID_PATTERN,
     ReportBatch,
+    StepReport,
 )
 
 
@@ -97,14 +98,28 @@ def test_non_finite_floats_are_rejected(wire_example: dict[str, Any], literal: s
     assert info.value.errors()[0]["loc"] == ("reports", 0, "loss")
 
 
-def test_every_field_is_required(wire_example: dict[str, Any]) -> None:
+# Fields added to StepReport after its first release: optional, absent = not reported.
+ADDED_LATER = {"grad_norm", "grad_norm_top", "grad_norm_top_share", "logsumexp",
+               "logsumexp_max", "scaler_skipped_steps"}
+
+
+def test_every_first_release_field_is_required_and_every_later_one_optional(
+        wire_example: dict[str, Any]) -> None:
     report = wire_example["reports"][0]
+    assert {n for n, f in StepReport.model_fields.items() if not f.is_required()} == ADDED_LATER
     for field in report:
         doc = copy.deepcopy(wire_example)
         del doc["reports"][0][field]
+        if field in ADDED_LATER:
+            parsed = ReportBatch.model_validate(doc).reports[0]
+            assert getattr(parsed, field) is None  # not reported: never a zero
+            continue
         with pytest.raises(ValidationError) as info:
             ReportBatch.model_validate(doc)
         assert info.value.errors()[0]["loc"] == ("reports", 0, field)
+    doc = copy.deepcopy(wire_example)
+    del doc["reports"][0]["nonfinite"]["grad"]  # a client whose gradients are not checked
+    assert ReportBatch.model_validate(doc).reports[0].nonfinite.grad is None
 
 
 def test_list_bounds(make_batch: Any, wire_example: dict[str, Any]) -> None:

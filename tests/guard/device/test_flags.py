@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from guard.checks import coverage, loss, loss_spike, nonfinite, padding_mass, token_range
+from guard.checks import CHECKS, coverage, loss, loss_spike, nonfinite, padding_mass, token_range
 from guard.device.flags import Flags
 from guard.policy_file import load_policy
 
@@ -24,8 +24,7 @@ def test_an_empty_read_has_no_values_and_nothing_fired() -> None:
     assert (pm.mean, pm.max, r.local[loss.SPEC].value) == (None, None, None)
     assert r.local[nonfinite.SPEC].counts == {"hidden": 0, "logits": 0, "loss": 0}
     assert r.local[token_range.SPEC].counts == {"input": 0, "label": 0}
-    assert r.over == dict.fromkeys(("token_range", "untrained_rows", "padding_mass",
-                                    "nonfinite", "loss_spike", "padding_rows", "coverage"))
+    assert r.over == dict.fromkeys(s.name for s in CHECKS)  # every check, none fired
     assert r.crossed == frozenset()
 
 
@@ -61,7 +60,8 @@ def test_each_slot_reduces_as_its_spec_says_and_the_reading_is_typed_per_spec() 
     assert r.glob == r.local  # one process: the all-rank values are this rank's
     # Each check that crossed its threshold names this rank (2); the others none.
     assert r.over == {"token_range": 2, "padding_mass": 2, "nonfinite": 2, "loss_spike": 2,
-                      "padding_rows": None, "coverage": None, "untrained_rows": None}
+                      "padding_rows": None, "coverage": None, "untrained_rows": None,
+                      "vocab": None}
     assert r.crossed == {padding_mass.LOSS_MAX, nonfinite.HIDDEN, nonfinite.LOGITS,
                          token_range.LABEL, loss_spike.SPIKE}
 

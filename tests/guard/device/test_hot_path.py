@@ -35,7 +35,8 @@ CASTS = {"bool", "float", "int"}
 ALLOWED = {("flags.py", "_wait"), ("reading.py", "reading")}
 TORCH_REGISTER = {"register_forward_hook", "register_forward_pre_hook", "register_step_pre_hook",
                   "register_step_post_hook", "register_full_backward_hook",
-                  "register_full_backward_pre_hook", "register_hook"}
+                  "register_full_backward_pre_hook", "register_hook",
+                  "register_post_accumulate_grad_hook"}
 
 Function = ast.FunctionDef | ast.AsyncFunctionDef
 

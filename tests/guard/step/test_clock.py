@@ -38,6 +38,11 @@ class Device:
     def flush(self) -> Reading | None:
         return None
 
+    def watch_skips(self) -> None: ...
+
+    def skipped_update(self) -> None:
+        self.ended.append(-1)  # a step the loop skipped (not under these tests)
+
 
 class Reads:
     """The clock's reader: records each call, answers `skip`."""

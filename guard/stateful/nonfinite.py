@@ -1,0 +1,71 @@
+"""The nonfinite check's state: the gradients the optimizer applies, checked at each step
+boundary before the update (guard/device/grads.py reduces them on the device), the total norm
+and its largest parameter as figures, and at a violation the parameters named."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from guard.checks import grads, nonfinite
+from guard.device.grads import GradNorms
+from guard.device.reading import Reading
+from guard.stateful.state import Attaching, CheckState
+
+__all__ = ["GradState"]
+
+_NAMED = 5  # parameters named one by one in a message; the rest are counted
+
+
+class GradState(CheckState):
+    spec = nonfinite.SPEC
+    at_detach = False  # sharded, a collective
+
+    def __init__(self, norms: GradNorms, names: list[str]) -> None:
+        self.norms = norms
+        self.names = names  # per parameter of `norms`, the model's own name for it
+
+    @classmethod
+    def attach(cls, at: Attaching) -> GradState | None:
+        """The optimizer's parameters (every group's), or the model's trainable ones when the
+        loop gives g.step() instead (None: nothing trains)."""
+        params = ([p for g in at.optimizer.param_groups for p in g["params"]]
+                  if at.optimizer is not None else
+                  [p for p in at.model.parameters() if p.requires_grad])
+        if not params:
+            return None
+        named: dict[int, str] = {}
+        for name, p in at.model.named_parameters(remove_duplicate=False):
+            named.setdefault(id(p), name)
+        names = [named.get(id(p), f"optimizer parameter {i}") for i, p in enumerate(params)]
+        return cls(GradNorms(params, at.flags, scaled=at.scaled), names)
+
+    def end_step(self) -> None:
+        self.norms.measure()
+
+    def check(self) -> None:
+        self.norms.before_read()
+
+    def stats(self, reading: Reading) -> dict[str, str | None]:
+        top = reading.local[grads.SPEC].top
+        return {"grad_norm_top": None if top is None else self.names[top]}
+
+    def detail(self, reading: Reading, *, reduce: bool) -> str:
+        """The parameters whose gradient holds a NaN/Inf on any rank (one read of one number
+        per parameter, at a violation; combined over ranks when `reduce`: every rank of the
+        job asks at the same read, its gradients sharded or not)."""
+        if not reading.glob[nonfinite.SPEC].counts.get("grad"):
+            return ""
+        bad = self.norms.bad
+        bad = (torch.zeros(len(self.names), device=self.norms.flags.device) if bad is None
+               else bad.clone())
+        if reduce and dist.is_available() and dist.is_initialized() and \
+                dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        hit = [self.names[i] for i, b in enumerate(bad.tolist()) if b > 0]  # a violation
+        if not hit:
+            return ""
+        first = ", ".join(hit[:_NAMED])
+        more = f" and {len(hit) - _NAMED} more" if len(hit) > _NAMED else ""
+        return (f"the gradient{'s' if len(hit) > 1 else ''} of {first}{more} "
+                f"({len(hit)} of {len(self.names)} parameters)")
