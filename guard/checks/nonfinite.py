@@ -15,7 +15,7 @@ from guard_server.wire import TENSORS, TensorKind
 __all__ = ["FORWARD", "GRAD", "GRAD_SEEN", "HIDDEN", "LOGITS", "LOSS", "SLOTS", "SPEC",
            "Nonfinite"]
 
-HIDDEN = Slot("nonfinite.hidden")  # non-finite values in the lm_head input
+HIDDEN = Slot("nonfinite.hidden")  # positions whose lm_head input holds a NaN/Inf
 LOGITS = Slot("nonfinite.logits")  # positions whose real-vocab logits hold a NaN or +Inf
 LOSS = Slot("nonfinite.loss")  # non-finite losses
 GRAD = Slot("nonfinite.grad")  # parameters whose gradient holds a NaN/Inf, before the update
@@ -25,7 +25,7 @@ GRAD_SEEN = Slot("nonfinite.grad_seen", "max")  # 1 when the window's gradients 
 SLOTS: Mapping[TensorKind, Slot] = {"hidden": HIDDEN, "logits": LOGITS, "loss": LOSS,
                                     "grad": GRAD}
 FORWARD: tuple[TensorKind, ...] = ("hidden", "logits", "loss")
-_NAMES: Mapping[TensorKind, str] = {"hidden": "{n} in the lm_head input",
+_NAMES: Mapping[TensorKind, str] = {"hidden": "{n} positions in the lm_head input",
                                     "logits": "{n} in the real-vocab logits",
                                     "loss": "{n} in the loss",
                                     "grad": "{n} parameters' gradients"}

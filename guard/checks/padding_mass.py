@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, fmt
 from guard.policy import Policy
 
-__all__ = ["COUNT", "FUSED", "LOSS_MAX", "LSE_COUNT", "LSE_MAX", "LSE_SHIFT", "LSE_SUM", "MAX",
-           "SPEC", "SUM", "PaddingMass", "bound"]
+__all__ = ["COUNT", "FUSED", "LOSS_MAX", "LSE_MAX", "LSE_SHIFT", "LSE_SUM", "MAX", "SPEC", "SUM",
+           "PaddingMass", "bound"]
 
 SUM = Slot("padding_mass.sum")  # the masses of the sampled positions, summed
 COUNT = Slot("padding_mass.count")  # positions sampled
@@ -30,8 +30,8 @@ LOSS_MAX = Slot("padding_mass.loss_max", "max")
 FUSED = Slot("padding_mass.fused")  # forwards measured from the final hidden states (no head)
 # log Z of the real columns at the sampled positions (the padding mass's own logsumexp): a
 # figure, what PaLM's and OLMo's z-loss keeps near 0; logits that grow before they diverge.
-LSE_SUM = Slot("padding_mass.lse_sum")  # over the positions whose log Z is finite
-LSE_COUNT = Slot("padding_mass.lse_count")  # those positions
+# Over the COUNT positions, so a non-finite one (the nonfinite check's) makes it no figure.
+LSE_SUM = Slot("padding_mass.lse_sum")
 # Their largest, plus LSE_SHIFT: a slot's max starts from 0 at each window, and a log Z may be
 # negative (logits pushed down by a z-loss); no finite float32 logits give one under -1e6.
 LSE_MAX = Slot("padding_mass.lse_max", "max")
@@ -63,10 +63,11 @@ def bound(policy: Policy, real: int, columns: int) -> float:
 
 
 def _figures(raw: Raw) -> PaddingMass:
-    count, lse = raw[COUNT], raw[LSE_COUNT]
+    count = raw[COUNT]
+    measured = count and raw[LSE_MAX] != 0  # log Z is only where the mass was measured
     return PaddingMass(raw[SUM] / count if count else None, raw[MAX] if count else None,
-                       raw[LOSS_MAX], int(raw[FUSED]), raw[LSE_SUM] / lse if lse else None,
-                       raw[LSE_MAX] - LSE_SHIFT if lse else None)
+                       raw[LOSS_MAX], int(raw[FUSED]), raw[LSE_SUM] / count if measured else None,
+                       raw[LSE_MAX] - LSE_SHIFT if measured else None)
 
 
 def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
@@ -102,6 +103,6 @@ def _describe(f: PaddingMass, c: Context) -> Found:
         f"{padding} padding columns [{c.real}, {c.rows}): {expected}; {c.next}. {fix}"))
 
 
-SPEC = Spec("padding_mass", (SUM, COUNT, MAX, LOSS_MAX, FUSED, LSE_SUM, LSE_COUNT, LSE_MAX),
+SPEC = Spec("padding_mass", (SUM, COUNT, MAX, LOSS_MAX, FUSED, LSE_SUM, LSE_MAX),
             _figures, _thresholds,
             ("logits",), _stats, _describe)

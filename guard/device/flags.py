@@ -92,14 +92,22 @@ class Flags:
         if slot.reduce == "sum":
             view.add_(value)
         elif slot.reduce == "max":
-            torch.maximum(view, value.to(view.dtype), out=view)
+            torch.maximum(view, value, out=view)  # promoted to the flags' dtype
         else:
             view.copy_(value)
+
+    def overwrite(self, slots: tuple[Slot, ...], values: torch.Tensor) -> None:
+        """Set consecutive slots of the layout (one spec's, in its order) to `values`, (k,):
+        one device write where k puts would be 3k small ops (the gradients' figures)."""
+        first = self.layout.index[slots[0]]
+        if [self.layout.index[s] for s in slots] != list(range(first, first + len(slots))):
+            raise ValueError(f"slots {[s.name for s in slots]} are not consecutive")
+        self.t[first : first + len(slots)].copy_(self._accept(values))
 
     def at_least(self, slot: Slot, value: torch.Tensor) -> None:
         """At least `value` in `slot`: a detection, not a count (max, whatever the slot)."""
         view = self.t[self.layout.index[slot]]
-        torch.maximum(view, self._accept(value).to(view.dtype), out=view)
+        torch.maximum(view, self._accept(value), out=view)
 
     def mark(self, slot: Slot) -> None:
         """This step's data reached the guard (a device write: fine under torch.compile)."""
@@ -115,6 +123,8 @@ class Flags:
     def _accept(self, value: torch.Tensor) -> torch.Tensor:
         # Flags made on the CPU before model.cuda(): move them to the accelerator rather than
         # copying values back (a non-blocking copy to the host could be read before it lands).
+        if value.device == self.t.device:  # the usual case: no copy, no call
+            return value
         if self.t.device.type == "cpu" and value.device.type != "cpu":
             self.follow(value.device)
         return value.to(self.t.device, non_blocking=True)

@@ -17,8 +17,11 @@ import torch.distributed as dist
 
 from guard.checks import grads, nonfinite
 from guard.device.flags import Flags
+from guard.device.ops import one_thread
 
 __all__ = ["GradNorms"]
+
+_FIGURES = (grads.SEEN, grads.NORM, grads.TOP, grads.TOP_SHARE)  # consecutive in the spec
 
 
 def _local(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -42,25 +45,35 @@ class GradNorms:
         # A GradScaler skips every update whose gradients are not finite: such a step is its
         # business, counted as a skipped update, not as non-finite gradients.
         self.scaled = scaled
-        # Per parameter, 1 where its last measured gradient was non-finite; (P,) on the flags'
-        # device, read to the host only to name them at a violation.
-        self.bad: torch.Tensor | None = None
+        # The parameters last measured and which of their gradients were non-finite, read to
+        # the host only to name them at a violation.
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self._index: tuple[tuple[int, ...], torch.Tensor] | None = None  # (which, as a tensor)
         self._square: torch.Tensor | None = None  # this rank's squared total, for the read
         self._group: Any = None  # the shards' group, when the gradients are sharded
+        self._one = torch.ones((), dtype=torch.float64, device=flags.device)
 
     def measure(self) -> None:
         """Device ops only: a parameter without a gradient (frozen, unused) is not counted."""
-        found = [(i, *_local(p.grad)) for i, p in enumerate(self.params) if p.grad is not None]
+        dt = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
+        found, grads_, group = [], [], None
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            if dt is not None and isinstance(g, dt.DTensor):
+                g, g_group = _local(g)
+                group = group or g_group
+            found.append(i)
+            grads_.append(g)
         if not found:
             return
         f = self.flags
-        with torch.no_grad():
+        with torch.no_grad(), one_thread(f.device):
             # One 0-dim float32 norm per gradient (a float16 norm would overflow at 65504).
-            norms = torch._foreach_norm([g for _, g, _ in found], 2, dtype=torch.float32)
-            one = all(x.device == norms[0].device for x in norms)
-            n = (torch.stack(norms) if one else torch.stack([x.to(f.device) for x in norms]))
-            n = n.to(f.device)  # (k,)
+            norms = torch._foreach_norm(grads_, 2, dtype=torch.float32)
+            n = torch.stack(norms) if all(x.device == f.device for x in norms) else \
+                torch.stack([x.to(f.device) for x in norms])  # (k,)
             bad = torch.isfinite(n).logical_not()
             if self.scaled:
                 f.put(grads.SKIPPED, bad.any())
@@ -68,17 +81,22 @@ class GradNorms:
             else:
                 f.put(nonfinite.GRAD, bad.sum())
                 f.put(nonfinite.GRAD_SEEN, 1.0)
-            which = self._which(tuple(i for i, _, _ in found))
-            self.bad = torch.zeros(len(self.params), device=f.device).index_copy_(
-                0, which, bad.float())
+            which = self._which(tuple(found))
+            self._last = (which, bad)  # named only at a violation (`named_bad`)
             square = n.double().square()  # (k,): float64, no overflow from float32 norms
             top = square.nan_to_num(nan=torch.inf).argmax()
-            self._square = square.sum()
-            self._group = next((g for _, _, g in found if g is not None), None)
-            f.put(grads.TOP, which[top])
-            f.put(grads.TOP_SHARE, (square[top] / self._square).nan_to_num(nan=0.0).clamp(0, 1))
-            f.put(grads.NORM, self._square.sqrt())
-            f.put(grads.SEEN, 1.0)
+            self._square, self._group = square.sum(), group
+            # The last step's figures, in one write (a NaN share is no figure: the record's).
+            f.overwrite(_FIGURES, torch.stack([self._one, self._square.sqrt(), which[top],
+                                                square[top] / self._square]))
+
+    def named_bad(self) -> torch.Tensor:
+        """(P,) on the flags' device: 1 where the last measured gradient was non-finite."""
+        out = torch.zeros(len(self.params), device=self.flags.device)
+        if self._last is not None:
+            which, bad = self._last
+            out.index_copy_(0, which, bad.to(out.dtype))
+        return out
 
     def before_read(self) -> None:
         """Sharded gradients: the total norm of every rank's shards (one all-reduce of one

@@ -16,6 +16,7 @@ from guard.device.flags import Flags
 from guard.device.ops import (
     chunk_positions,
     nonfinite_count,
+    nonfinite_positions,
     one_thread,
     padding_mass_parts,
     reduction_dtype,
@@ -107,7 +108,7 @@ class Logits:
             states = hidden.detach().reshape(-1, hidden.shape[-1])  # (tokens, d)
             positions = self._sample(states)  # (n, d)
             if self.cfg.nonfinite:
-                f.put(nonfinite.HIDDEN, nonfinite_count(positions))
+                f.put(nonfinite.HIDDEN, nonfinite_positions(positions))
             logits = torch.nn.functional.linear(positions.to(weight.dtype), weight,
                                                 bias if isinstance(bias, torch.Tensor) else None)
             # (n, columns): already a sample; the loss the kernel computes from the same rows
@@ -163,12 +164,9 @@ class Logits:
             f.put(padding_mass.MAX, top)
             if not masked:
                 f.put(padding_mass.LOSS_MAX, top)
-            # log Z of the same positions, a figure from the values already reduced: over the
-            # finite ones (a non-finite one is the nonfinite check's).
-            finite = torch.isfinite(lse_real)
-            f.put(padding_mass.LSE_SUM, torch.where(finite, lse_real, 0.0).sum())
-            f.put(padding_mass.LSE_COUNT, finite.sum())
-            top_lse = torch.where(finite, lse_real, -torch.inf).max().to(f.t.dtype)
+            # log Z of the same positions, a figure from the values already reduced.
+            f.put(padding_mass.LSE_SUM, lse_real.sum())
+            top_lse = lse_real.max().to(f.t.dtype)
             f.put(padding_mass.LSE_MAX, top_lse + padding_mass.LSE_SHIFT)  # float64: exact
         else:
             lse_real = positions[:, :real].sum(dim=-1, dtype=torch.float32)  # (n,)

@@ -20,6 +20,7 @@ __all__ = [
     "mask_padding",
     "mask_padding_",
     "nonfinite_count",
+    "nonfinite_positions",
     "one_thread",
     "out_of_range_parts",
     "padding_mass",
@@ -176,6 +177,17 @@ def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.int64, device=t.device)
     with one_thread(t.device):
         return torch.isfinite(t).logical_not().sum()
+
+
+def nonfinite_positions(t: torch.Tensor) -> torch.Tensor:
+    """Number of positions (all but the last dim) of t whose vector holds a NaN / +-Inf, as a
+    0-dim int64 tensor: one pass, a float32 sum per position (which a finite vector can only
+    make infinite past 3e38: values no lm_head input holds unless its logits overflow too),
+    no (..., d) temporary."""
+    if not t.is_floating_point():
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    with one_thread(t.device):
+        return torch.isfinite(t.sum(dim=-1, dtype=torch.float32)).logical_not().sum()
 
 
 # The key of an id and its position (guard/checks/token_range.py), exact in float64.

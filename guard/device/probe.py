@@ -18,7 +18,7 @@ from guard.device.hooks import Handle, hook
 from guard.device.ids import IdHooks, IdWatcher
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.loss import LossShares, StepLoss
-from guard.device.ops import mask_padding, nonfinite_count
+from guard.device.ops import mask_padding, nonfinite_positions
 from guard.device.reading import Reading
 from guard.device.site import LogitsSite, find_loss
 from guard.policy import Policy
@@ -168,7 +168,7 @@ class Probe:
         if module.training and args and isinstance(args[0], torch.Tensor):
             self.flags.follow(args[0].device)
             with torch.no_grad():
-                self.flags.put(nonfinite.HIDDEN, nonfinite_count(args[0]))
+                self.flags.put(nonfinite.HIDDEN, nonfinite_positions(args[0]))
 
     def _head_post(self, module: nn.Module, args: tuple[Any, ...], logits: Any) -> Any:
         if not isinstance(logits, torch.Tensor) or logits.shape[-1] != self.cfg.columns:

@@ -4,7 +4,6 @@ and its largest parameter as figures, and at a violation the parameters named.""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from guard.checks import grads, nonfinite
@@ -56,9 +55,7 @@ class GradState(CheckState):
         job asks at the same read, its gradients sharded or not)."""
         if not reading.glob[nonfinite.SPEC].counts.get("grad"):
             return ""
-        bad = self.norms.bad
-        bad = (torch.zeros(len(self.names), device=self.norms.flags.device) if bad is None
-               else bad.clone())
+        bad = self.norms.named_bad()
         if reduce and dist.is_available() and dist.is_initialized() and \
                 dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
