@@ -72,8 +72,9 @@ PER_RANK: tuple[Family, ...] = (
             (("lm_head",), r.untrained_rows.lm_head)], most=2, varies=True),
     Family("guard_untrained_tokens_total", "counter",
            "Input ids and labels that fell on never-trained rows since attach, per kind.",
-           ("kind",), lambda r, seen: [(("input",), r.untrained_tokens.input),
-                                       (("label",), r.untrained_tokens.label)], most=2),
+           ("kind",), lambda r, seen: () if r.untrained_tokens is None else
+           [(("input",), r.untrained_tokens.input), (("label",), r.untrained_tokens.label)],
+           most=2, varies=True),
     Family("guard_violations_total", "counter",
            "Check violations since attach, per check and action.", ("check", "action"),
            _violations, most=len(CHECKS) * len(ACTIONS), varies=True,

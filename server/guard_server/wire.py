@@ -2,13 +2,20 @@
 
 The library builds its reports with these models and clips to these limits; the server
 validates every request body against them. Importing this module pulls in no fastapi.
+
+The wire evolves compatibly (docs/wire.md, "Versions"): a field added after the first release
+is optional, `Annotated[... | None, Since(N)] = None` (absent: not reported), and a check name
+added after it is listed in CHECK_SINCE; WIRE_VERSION is the newest of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
 __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
     "ACTIONS",
@@ -16,6 +23,7 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "ActionName",
     "AttachId",
     "CHECKS",
+    "CHECK_SINCE",
     "CheckName",
     "Event",
     "MAX_BATCH_REPORTS",
@@ -28,11 +36,16 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "RUN_ID_PATTERN",
     "ReportBatch",
     "RunId",
+    "Since",
     "StepReport",
     "UntrainedRows",
     "UntrainedTokens",
     "VocabSizes",
+    "WIRE_VERSION",
+    "WIRE_VERSION_HEADER",
     "bearer_token",
+    "since",
+    "wire_models",
 ]
 
 CheckName = Literal[
@@ -43,6 +56,19 @@ CheckName = Literal[
 ActionName = Literal["fail", "mask", "skip", "warn", "repair"]
 CHECKS: tuple[str, ...] = get_args(CheckName)
 ACTIONS: tuple[str, ...] = get_args(ActionName)
+# The wire version each check name was added in; the first release's (1) are not listed.
+CHECK_SINCE: Mapping[str, int] = {"untrained_rows": 2}
+# Every answer of a guard server says the wire version it reads (a server of the first
+# release, version 1, says none); the push sink sends a server no field or check it lacks.
+WIRE_VERSION_HEADER = "Guard-Wire-Version"
+
+
+@dataclass(frozen=True)
+class Since:
+    """A field's metadata: the wire version that added it (after the first release, so the
+    field is optional and its absence means "not reported", never a zero)."""
+
+    version: int
 
 # Bounds of one report: a request stays far below the body limit (1 MiB) even with every
 # event at its longest, and a dashboard's event list stays readable.
@@ -146,8 +172,9 @@ class Event(_Wire):
 class StepReport(_Wire):
     """The guard's state at one step boundary; counters are cumulative since attach."""
 
-    # Every field is required, nullable ones included: a client that forgets one is a 422 that
-    # names it, not a silent zero on a dashboard.
+    # Every field of the first release is required, nullable ones included: a client that
+    # forgets one is a 422 that names it, not a silent zero on a dashboard. A field added since
+    # is optional, absent from the reports of an older guard (not reported: no series).
     attach_id: AttachId
     step: Count
     timestamp: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -156,8 +183,8 @@ class StepReport(_Wire):
     padding_mass_max: Ratio | None
     nonfinite: NonFinite
     out_of_range: OutOfRange
-    untrained_rows: UntrainedRows | None  # null: the check is off
-    untrained_tokens: UntrainedTokens
+    untrained_rows: Annotated[UntrainedRows | None, Since(2)] = None  # null: the check is off
+    untrained_tokens: Annotated[UntrainedTokens | None, Since(2)] = None
     violations: dict[CheckName, dict[ActionName, Count]]
     skipped_steps: Count
     halted: CheckName | None
@@ -173,3 +200,29 @@ class ReportBatch(_Wire):
     run_id: RunId
     rank: Rank
     reports: Annotated[list[StepReport], Field(min_length=1, max_length=MAX_BATCH_REPORTS)]
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, _Wire):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def wire_models(model: type[BaseModel] = ReportBatch,
+                path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], type[BaseModel]]]:
+    """Every model of the wire, with the field names that lead to it from the batch
+    (("reports", "nonfinite"), NonFinite); a list on the way is a level of its items."""
+    yield path, model
+    for name, info in model.model_fields.items():
+        for inner in _models_in(info.annotation):
+            yield from wire_models(inner, (*path, name))
+
+
+def since(info: FieldInfo) -> int:
+    """The wire version a field was added in (1: the first release's)."""
+    return max([1, *(m.version for m in info.metadata if isinstance(m, Since))])
+
+
+# The version this side speaks: its newest field's or check name's.
+WIRE_VERSION = max([*(since(f) for _, m in wire_models() for f in m.model_fields.values()),
+                    *CHECK_SINCE.values()])

@@ -42,6 +42,8 @@ SERVER = {
     "guard_server_runs": ("gauge", set()),
     "guard_server_ranks": ("gauge", set()),
     "guard_server_bytes": ("gauge", set()),
+    # README's names the design does not list: fields of a newer guard's reports, per field.
+    "guard_ingest_unknown_fields_total": ("counter", {"field"}),
 }
 
 SERVER_PREFIXES = ("guard_ingest_", "guard_server_")
@@ -54,6 +56,7 @@ def store(make_batch: Any, clock: Any) -> Store:
         ReportBatch.model_validate(make_batch(run_id="r1", rank=3, steps=(7,), halted="nonfinite"))
     )
     store.ingest(ReportBatch.model_validate(make_batch(run_id="r1", rank=4, steps=(8,), loss=None)))
+    store.unknown.count(["reports.grad_norm"])  # what the ingest route counts of a newer guard
     return store
 
 

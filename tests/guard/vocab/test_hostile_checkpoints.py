@@ -242,3 +242,42 @@ def test_weight_map_paths_outside_the_directory_say_what_was_read(tmp_path: Path
     assert f"in {file} (outside the checkpoint directory: read {shard})" in run.out
     run, data = audit_json(d)
     assert data["embedding"]["outside"] == str(shard) and data["embedding"]["file"] == file
+
+
+_ATTACH = """\
+import logging, os, sys, types
+import guard
+from tests.conftest import policy, tiny_gpt
+warnings = []
+logging.getLogger("guard").addHandler(type("H", (logging.Handler,), {
+    "emit": lambda self, record: warnings.append(record.getMessage())})())
+m = tiny_gpt()
+m.config = types.SimpleNamespace(_name_or_path=sys.argv[1])
+with guard.attach(m, policy=policy()) as g:
+    print(g.real, g.rows)
+print(sum("cannot read the tokenizer files" in w for w in warnings))
+print(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM:")))
+"""
+
+
+@pytest.mark.parametrize("make", ["zero", "fifo", "negative"])
+def test_attach_warns_and_goes_on_without_the_checkpoints_tokenizer(tmp_path: Path,
+                                                                      make: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.guard.vocab.hostile import HANG_S
+
+    d = tmp_path / "m"
+    d.mkdir()
+    if make == "zero":  # grew by 795 MiB, then MemoryError
+        (d / "tokenizer.json").symlink_to("/dev/zero")
+    elif make == "fifo":  # blocked for ever
+        os.mkfifo(d / "tokenizer.json")
+    else:  # a RuntimeError from torch.zeros
+        (d / "vocab.json").write_text(json.dumps({"a": -100}))
+    done = subprocess.run([sys.executable, "-c", _ATTACH, str(d)], capture_output=True,
+                          text=True, timeout=HANG_S, check=True)
+    sizes, warned, peak_kib = done.stdout.split("\n")[:3]
+    assert sizes == "128 128" and warned == "1"  # every row taken as real, and said
+    assert int(peak_kib) / 1024 < 1024  # torch's own ~400 MiB; /dev/zero read whole: no end
