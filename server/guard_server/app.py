@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from guard_server.advertise import AdvertiseVersion
 from guard_server.auth import ReadAuth
 from guard_server.errors import BusyError
 from guard_server.framing import CloseAfter
@@ -62,7 +61,6 @@ def create_app(
             app.include_router(router)
     if settings.token is not None:
         app.add_middleware(ReadAuth, token=settings.token, metrics=settings.metrics_token)
-    # Added last, so they are outermost: they see every answer, ReadAuth's 401s included.
+    # Added last, so it is outermost: it sees every answer, ReadAuth's 401s included.
     app.add_middleware(CloseAfter)
-    app.add_middleware(AdvertiseVersion)
     return app

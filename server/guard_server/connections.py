@@ -56,6 +56,13 @@ class _Tally:
             self.counts = dict.fromkeys(self.counts, 0)
 
 
+def _cancel(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
+    """Cancel `timer` when one is set; returns None, what its attribute holds from then on."""
+    if timer is not None:
+        timer.cancel()
+    return None
+
+
 def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_s: float,
                      write_stall_s: float = 5.0) -> type[H11Protocol]:
     """uvicorn's H11Protocol with a connection cap, a request-head deadline, an answer
@@ -105,9 +112,7 @@ def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_
             super().resume_writing()
 
         def _moving(self) -> None:
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
+            self._stall_timer = _cancel(self._stall_timer)
 
         def _stalled(self) -> None:
             self._stall_timer = None
@@ -144,14 +149,10 @@ def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_
             self._head_timer = self.loop.call_later(read_timeout_s, self._head_timeout)
 
         def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            self._head_timer = _cancel(self._head_timer)
 
         def _answered(self) -> None:
-            if self._answer_timer is not None:
-                self._answer_timer.cancel()
-                self._answer_timer = None
+            self._answer_timer = _cancel(self._answer_timer)
 
         def _late(self) -> None:
             # The request's answer (a scrape, most likely) is not written, or not taken, whole

@@ -14,6 +14,7 @@ from guard_server.app import create_app
 from guard_server.connections import guarded_protocol, raise_fd_limit, trainer_connections
 from guard_server.listen import server_socket
 from guard_server.settings import Settings
+from guard_server.wire import WIRE_VERSION, WIRE_VERSION_HEADER
 
 log = logging.getLogger("guard_server")
 
@@ -53,6 +54,9 @@ def uvicorn_config(
                               settings.write_timeout_s, settings.write_stall_s),
         # uvicorn takes whole seconds here (it passes the value to call_later unchanged).
         timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
+        # Every answer says the wire version this server reads: the push sink lowers its
+        # reports to it (docs/wire.md, "Versions").
+        headers=[(WIRE_VERSION_HEADER, str(WIRE_VERSION))],
         **extra,
     )
 
