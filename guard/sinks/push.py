@@ -4,7 +4,8 @@
 never waits on the network and never sees its errors. The thread batches by count and time,
 retries connection errors, 5xx and 429 with exponential backoff (never sooner than the
 server's `Retry-After`), gives every request an overall deadline, reads at most
-`max_answer_bytes` of each answer, and counts what it drops. What will not heal by retrying (a
+`max_answer_bytes` of each answer, keeps no cookies, sends an older server only what it reads
+(guard/sinks/wire_version.py), and counts what it drops. What will not heal by retrying (a
 401, 403, 413 or 422, a TLS certificate refused) is dropped at once and logged (guard/sinks/
 replies.py); what is given up at close is logged there.
 
@@ -221,7 +222,7 @@ class PushSink:
             try:
                 sent_for = self._server.version
                 a = self._post(self._server.body(part))
-                if (older := self._server.heard(a.wire_version)) is not None:
+                if (older := self._server.heard(a.status, a.wire_version)) is not None:
                     self._say(functools.partial(log.warning, "%s", older))
                 if a.status == 422 and self._server.version < sent_for:
                     continue  # an older server: sent again at once without what it lacks

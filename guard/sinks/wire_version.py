@@ -14,7 +14,7 @@ __all__ = ["ServerVersion", "answer_version"]
 
 
 def answer_version(header: str | None) -> int:
-    """The version an answer's header says: 1 without one, at most ours."""
+    """The version an answer's header says, at most ours (an unreadable one: 1)."""
     value = (header or "").strip()
     return min(int(value), WIRE_VERSION) if value.isascii() and value.isdigit() and \
         int(value) >= 1 else 1
@@ -40,9 +40,13 @@ class ServerVersion:
             return batch.model_dump_json().encode()
         return json.dumps(lowered(batch, self.version), separators=(",", ":")).encode()
 
-    def heard(self, header: str | None) -> str | None:
-        """An answer came with this Guard-Wire-Version header (or none); the warning to log
-        the first time the server is found to read an older version."""
+    def heard(self, status: int, header: str | None) -> str | None:
+        """An answer came with this status and Guard-Wire-Version header (or none); the
+        warning to log the first time the server is found to read an older version. No header
+        says version 1 only on a 422 (a first-release server refusing what it does not know):
+        a proxy's 502 without one says nothing of the server behind it."""
+        if header is None and status != 422:
+            return None
         version, said = answer_version(header), None
         if version < WIRE_VERSION and version not in self._said:
             self._said.add(version)

@@ -65,13 +65,17 @@ def read_known(body: bytes) -> tuple[ReportBatch, list[tuple[int | str, ...]]]:
         errors = exc.errors(include_url=False, include_context=False, include_input=False)
         if any(e["type"] != "extra_forbidden" for e in errors):
             raise
-    # Only unknown fields: take them out where pydantic found them and read it again, with
-    # the same validation as every batch (rare: a newer guard before it has heard our version).
-    doc = json.loads(body)
-    unknown = [tuple(e["loc"]) for e in errors]
-    for loc in unknown:
-        node = doc
-        for part in loc[:-1]:
-            node = node[part]
-        node.pop(loc[-1], None)
+        # Only unknown fields: take them out where pydantic found them and read it again,
+        # with the same validation as every batch (rare: a newer guard before it has heard
+        # this server's version).
+        unknown = [tuple(e["loc"]) for e in errors]
+        try:
+            doc = json.loads(body)
+            for loc in unknown:
+                node = doc
+                for part in loc[:-1]:
+                    node = node[part]
+                node.pop(loc[-1], None)
+        except (ValueError, LookupError, TypeError, AttributeError):
+            raise exc from None  # JSON that only pydantic reads: the 422 as it was
     return ReportBatch.model_validate_json(json.dumps(doc)), unknown

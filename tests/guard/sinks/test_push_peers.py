@@ -126,3 +126,18 @@ def test_nothing_is_said_after_close(caplog: pytest.LogCaptureFixture) -> None:
     assert after == []
     assert not [r for r in caplog.records if "are retried" in r.getMessage()]
     assert any("not pushed" in r.getMessage() for r in caplog.records)  # close said it
+
+
+def test_what_an_answer_says_of_the_servers_version() -> None:
+    from guard.sinks.wire_version import ServerVersion
+    from guard_server.wire import WIRE_VERSION
+
+    server = ServerVersion("http://x/v1/reports")
+    assert server.heard(502, None) is None and server.version == WIRE_VERSION  # a proxy's
+    said = server.heard(422, None)  # a first-release server's refusal
+    assert server.version == 1 and said is not None and "reads wire version 1" in said
+    assert server.heard(202, None) is None and server.version == 1  # its 202s say nothing
+    assert server.heard(202, "2") is None and server.version == 2  # upgraded
+    assert server.heard(202, "99") is None and server.version == WIRE_VERSION  # newer: ours
+    server.heard(202, "two")
+    assert server.version == 1 and server.heard(422, None) is None  # said once per version
