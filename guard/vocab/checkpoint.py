@@ -10,14 +10,14 @@ are printed escaped. The same `audit_sizes` rule as `guard.attach` decides.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from guard.errors import CheckpointError
 from guard.quote import quote, shown
 from guard.vocab.files import load_json
-from guard.vocab.safetensors_header import read_tensor, safetensors_shapes
+from guard.vocab.safetensors_header import Tensor, read_tensors, safetensors_shapes
 from guard.vocab.safetensors_rows import RowStats, row_stats
 from guard.vocab.safetensors_untrained import UntrainedStats, untrained_stats
 from guard.vocab.sizes import Audit, audit_sizes
@@ -43,6 +43,7 @@ class TensorInfo:
     # The path read, when the weight map points outside the directory (`../x`, an absolute
     # path: transformers joins them the same way, so the audit reads what loading would).
     outside: str | None = None
+    tensor: Tensor | None = field(default=None, compare=False, repr=False)  # validated
 
     def describe(self) -> str:
         where = f" (outside the checkpoint directory: read {shown(self.outside)})" \
@@ -54,8 +55,12 @@ class TensorInfo:
         return {"name": self.name, "shape": list(self.shape), "file": self.file, **outside}
 
 
-def _weight_files(d: Path) -> dict[str, str]:
-    """Tensor name -> file name, from the shard index or the single file's header."""
+Shapes = dict[str, dict[str, tuple[int, ...]]]  # file -> tensor name -> shape
+
+
+def _weight_files(d: Path) -> tuple[dict[str, str], Shapes]:
+    """Tensor name -> file name, from the shard index or the single file's header (and the
+    shapes of that header, read once)."""
     index = d / INDEX
     if index.exists():
         data = load_json(index, 'a JSON object with a "weight_map" of tensor name -> file')
@@ -66,9 +71,10 @@ def _weight_files(d: Path) -> dict[str, str]:
             if not isinstance(file, str) or not file or "\0" in file:
                 raise CheckpointError(str(index), f"weight_map[{quote(name)}] is "
                                       f"{quote(file)}; expected a file name")
-        return wm
+        return wm, {}
     if (d / SINGLE).exists():
-        return dict.fromkeys(safetensors_shapes(d / SINGLE), SINGLE)
+        shapes = safetensors_shapes(d / SINGLE)
+        return dict.fromkeys(shapes, SINGLE), {SINGLE: shapes}
     other = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
     found = f"; found {', '.join(other[:3])}, which this audit does not read" if other else ""
     raise CheckpointError(str(d), f"no {SINGLE} or {INDEX}{found}. Save with "
@@ -87,7 +93,7 @@ def _pick(names: list[str], suffixes: tuple[str, ...]) -> str | None:
 
 
 def _find_heads(d: Path) -> tuple[TensorInfo, TensorInfo | None]:
-    files = _weight_files(d)
+    files, cache = _weight_files(d)
     names = sorted(files)
     emb_name, head_name = _pick(names, _EMBEDDING), _pick(names, _HEAD)
     if head_name is None and "output.weight" in files:
@@ -96,8 +102,6 @@ def _find_heads(d: Path) -> tuple[TensorInfo, TensorInfo | None]:
         where = INDEX if (d / INDEX).exists() else SINGLE
         raise CheckpointError(str(d / where), "no token embedding tensor; expected a name "
                               f"ending in one of {', '.join(_EMBEDDING)}")
-    cache: dict[str, dict[str, tuple[int, ...]]] = {}
-
     def info(name: str) -> TensorInfo:
         file = files[name]
         if file not in cache:
@@ -106,10 +110,15 @@ def _find_heads(d: Path) -> tuple[TensorInfo, TensorInfo | None]:
         if shape is None or len(shape) != 2:
             raise CheckpointError(str(d / file), f"expected a 2-D tensor {name!r} (rows, hidden), "
                                   f"got {'none' if shape is None else list(shape)}")
-        read_tensor(d / file, name)  # the file whose rows are read: the library validates it
         return TensorInfo(name, shape, file, _outside(d, file))
 
-    return info(emb_name), None if head_name is None else info(head_name)
+    found = [info(emb_name), *([] if head_name is None else [info(head_name)])]
+    # The files whose rows are read: each validated whole by the library, once.
+    tensors: dict[str, Tensor] = {}
+    for file in {t.file for t in found}:
+        tensors |= read_tensors(d / file, [t.name for t in found if t.file == file])
+    emb, *head = [replace(t, tensor=tensors[t.name]) for t in found]
+    return emb, head[0] if head else None
 
 
 @dataclass(frozen=True)
@@ -248,7 +257,7 @@ def _untrained_rows(d: Path, real: int, tensors: list[TensorInfo],
     found = []
     for t in tensors:
         exempt = (pad,) if pad is not None and t is tensors[0] else ()
-        stats = untrained_stats(d / t.file, t.name, real, exempt=exempt)
+        stats = untrained_stats(d / t.file, t.name, real, exempt=exempt, tensor=t.tensor)
         if stats is not None:
             found.append(stats)
     ids = sorted({i for s in found for i in s.ids})
@@ -267,7 +276,7 @@ def _padding_rows(d: Path, real: int,
     for t in tensors:
         if t.shape[0] <= real:
             continue
-        stats = row_stats(d / t.file, t.name, real, t.shape[0])
+        stats = row_stats(d / t.file, t.name, real, t.shape[0], tensor=t.tensor)
         if stats is None:
             unread.append(t.name)
         else:

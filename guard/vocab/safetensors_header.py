@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from guard.errors import CheckpointError
 from guard.vocab.files import opened
 from guard.vocab.read_limits import ENV, read_limits
 
-__all__ = ["Tensor", "read_tensor", "safetensors_shapes"]
+__all__ = ["Tensor", "read_tensor", "read_tensors", "safetensors_shapes"]
 
 _WHAT = "a safetensors file"
 _TRUNCATED = "expected a complete safetensors file (truncated download?)"
@@ -36,8 +37,8 @@ class Tensor:
     end: int
 
 
-def _header(path: Path, fd: int, size: int) -> tuple[dict[str, Any], int]:
-    """(the header's JSON object, the first byte of the data)."""
+def _length(path: Path, fd: int, size: int) -> int:
+    """The header's length, checked against the file and the bound before a byte of it is read."""
     limit = read_limits().header_bytes
     prefix = os.pread(fd, 8, 0)
     if len(prefix) < 8:
@@ -50,16 +51,20 @@ def _header(path: Path, fd: int, size: int) -> tuple[dict[str, Any], int]:
     if n > limit:
         raise CheckpointError(str(path), f"a header of {n} bytes, over the {limit}-byte bound "
                               f"({ENV['header_bytes']}); real headers take ~120 bytes a tensor")
-    raw = os.pread(fd, n, 8)
+    return int(n)
+
+
+def _parsed(path: Path, fd: int, n: int) -> dict[str, Any]:
+    """The header's JSON object."""
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(os.pread(fd, n, 8).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         why = "nested too deep to read" if isinstance(e, RecursionError) else str(e)[:200]
         raise CheckpointError(str(path), f"the safetensors header is not valid JSON ({why})") \
             from None
     if not isinstance(header, dict):
         raise CheckpointError(str(path), "the safetensors header is not a JSON object")
-    return header, 8 + n
+    return header
 
 
 def _ints(value: object, n: int | None = None) -> bool:
@@ -90,38 +95,51 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, from the header alone (what the tensors are, to find the
     embedding and the head); the data is checked where it is read (read_tensor)."""
     with opened(path, _WHAT, _MISSING) as (fd, size):
-        header, _ = _header(path, fd, size)
+        header = _parsed(path, fd, _length(path, fd, size))
     return {name: tuple(info["shape"]) for name, info in
             _entries(path, header, strict=False).items()}
 
 
-def _validated(path: Path, fd: int, data: int, size: int, entries: dict[str, Any]) -> None:
-    """The safetensors library's own check of the file (the descriptor we opened, not the name
-    again: what was checked to be a regular file is what the library reads)."""
+def _refusal(fd: int, path: Path) -> str | None:
+    """What the safetensors library finds wrong with the file, or None: its own check, of the
+    descriptor we opened (what was checked to be a regular file is what it reads)."""
     from safetensors import SafetensorError, safe_open
 
     where = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
     try:
         with safe_open(where, framework="numpy"):
-            pass
+            return None
     except (SafetensorError, OSError) as e:
-        why = str(e).removeprefix("Error while deserializing header: ")
-        if why.startswith("incomplete metadata"):
-            end = data + max((i["data_offsets"][1] for i in entries.values()), default=0)
-            raise CheckpointError(str(path), f"the header's tensors end at byte {end} of a "
-                                  f"{size}-byte file; {_TRUNCATED}") from None
+        return str(e).removeprefix("Error while deserializing header: ")
+
+
+def read_tensors(path: Path, names: Iterable[str]) -> dict[str, Tensor]:
+    """Tensors `names` of a file the safetensors library validates whole: one check of the
+    file, however many of its tensors are read."""
+    with opened(path, _WHAT, _MISSING) as (fd, size):
+        n = _length(path, fd, size)
+        # The library first, then the JSON: each holds ~10-15x the header while it reads it,
+        # and one after the other peaks at the larger, not the sum.
+        why = _refusal(fd, path)
+        entries = _entries(path, _parsed(path, fd, n), strict=True)  # names a tensor at fault
+    if why is not None and why.startswith("incomplete metadata"):
+        end = 8 + n + max((i["data_offsets"][1] for i in entries.values()), default=0)
+        raise CheckpointError(str(path), f"the header's tensors end at byte {end} of a "
+                              f"{size}-byte file; {_TRUNCATED}")
+    if why is not None:
         raise CheckpointError(str(path), f"not a valid safetensors file ({why[:200]}, the "
-                              "safetensors library says)") from None
+                              "safetensors library says)")
+    out = {}
+    for name in names:
+        info = entries.get(name)
+        if info is None:
+            raise CheckpointError(str(path), f"no tensor {name!r} in the header")
+        begin, end = info["data_offsets"]
+        out[name] = Tensor(name, info["dtype"], tuple(info["shape"]), 8 + n + begin,
+                           8 + n + end)
+    return out
 
 
 def read_tensor(path: Path, name: str) -> Tensor:
     """Tensor `name` of a file the safetensors library validates whole."""
-    with opened(path, _WHAT, _MISSING) as (fd, size):
-        header, data = _header(path, fd, size)
-        entries = _entries(path, header, strict=True)
-        _validated(path, fd, data, size, entries)
-    info = entries.get(name)
-    if info is None:
-        raise CheckpointError(str(path), f"no tensor {name!r} in the header")
-    begin, end = info["data_offsets"]
-    return Tensor(name, info["dtype"], tuple(info["shape"]), data + begin, data + end)
+    return read_tensors(path, [name])[name]

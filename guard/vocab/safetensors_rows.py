@@ -135,10 +135,11 @@ class RowStats:
 
 
 def row_stats(path: Path, name: str, start: int, stop: int, *, factor: float = 10.0,
-              samples: int = 64) -> RowStats | None:
-    """Padding rows [start, stop) of `name`, against `samples` real rows spread over
-    [0, start); None for a dtype this reader does not decode (it says which)."""
-    t = read_tensor(path, name)
+              samples: int = 64, tensor: Tensor | None = None) -> RowStats | None:
+    """Padding rows [start, stop) of `name` (`tensor`, when its file was validated already),
+    against `samples` real rows spread over [0, start); None for a dtype this reader does not
+    decode (it says which)."""
+    t = tensor if tensor is not None else read_tensor(path, name)
     if t.dtype not in _SIZES:
         return None
     stop = min(stop, t.shape[0])

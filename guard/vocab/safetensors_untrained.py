@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from guard.vocab.safetensors_header import read_tensor
+from guard.vocab.safetensors_header import Tensor, read_tensor
 from guard.vocab.safetensors_rows import DTYPES, blocks, norms
 from guard.vocab.untrained_rules import (
     DUPLICATES,
@@ -79,10 +79,12 @@ class UntrainedStats:
 
 
 def untrained_stats(path: Path, name: str, real: int, rules: Rules = Rules(), *,
-                    exempt: tuple[int, ...] = ()) -> UntrainedStats | None:
-    """Rows [0, real) of tensor `name` by the rules; `exempt` rows are never untrained (the
-    embedding's padding row, zero by design). None for a dtype this reader does not decode."""
-    t = read_tensor(path, name)
+                    exempt: tuple[int, ...] = (),
+                    tensor: Tensor | None = None) -> UntrainedStats | None:
+    """Rows [0, real) of tensor `name` (`tensor`, when its file was validated already) by the
+    rules; `exempt` rows are never untrained (the embedding's padding row, zero by design).
+    None for a dtype this reader does not decode."""
+    t = tensor if tensor is not None else read_tensor(path, name)
     if t.dtype not in DTYPES:
         return None
     real = min(real, t.shape[0])
