@@ -298,3 +298,19 @@ def test_a_header_at_its_bound_is_read_within_memory_that_follows_the_bound(
     run = audit(d, env={"GUARD_CHECKPOINT_MAX_HEADER_BYTES": str(2 << 20)})
     assert run.code == 0, run.err
     assert run.peak_mib < BOUND_MIB
+
+
+def test_whatever_goes_wrong_is_one_line_and_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # The last guard of the CLI: an error no reader foresaw is still one line (and with
+    # --json, the error object), never a traceback.
+    from guard.cli import main
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RecursionError("maximum recursion depth exceeded\n  File forged")
+
+    monkeypatch.setattr("guard.vocab.checkpoint.audit_checkpoint", broken)
+    assert main(["audit", str(tmp_path), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["file"] == str(tmp_path)
+    assert err.count("\n") == 1 and "unexpected RecursionError" in err and "\\n" in err
