@@ -59,7 +59,9 @@ def read_bytes(path: Path, what: str, limit: int | None = None) -> bytes:
             raise CheckpointError(str(path), f"{size} bytes, over the {limit}-byte bound "
                                   f"({ENV['file_bytes']}); expected {what}")
         try:
-            data = os.read(fd, limit + 1)  # a file that grew since fstat is cut, and said
+            # One byte past the size fstat gave: a file that grew since is read to the bound
+            # and said, never past it.
+            data = os.read(fd, size + 1)
             while len(data) <= limit and (more := os.read(fd, limit + 1 - len(data))):
                 data += more
         except OSError as e:
