@@ -1,6 +1,7 @@
 """What `guard audit` costs on a Llama-3-sized embedding: 128256 x 4096 bfloat16 (1 GiB), its
 last 256 rows zero as Llama-3 base's reserved tokens, written as one safetensors file; the
-untrained rows are read in pure Python (guard/vocab/safetensors_untrained.py).
+untrained rows are read a block at a time and measured with numpy
+(guard/vocab/safetensors_untrained.py).
 
     python bench/audit_cost.py [--rows 128256] [--hidden 4096] [--dir /tmp/audit-cost]
 
@@ -60,9 +61,11 @@ def main() -> None:
     rows_s = time.perf_counter() - started
     assert stats is not None and len(stats.ids) == args.reserved
     # The command itself, in a process of its own: no torch, its own peak memory.
-    child = ("import resource, sys\nfrom guard.cli import main\ncode = main(sys.argv[1:])\n"
-             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
-             "sys.exit(code)\n")
+    # Its peak is VmHWM, the child's own: ru_maxrss keeps the high-water mark of the parent it
+    # was started from (vfork, then exec), which has just read the rows itself.
+    child = ("import sys\nfrom guard.cli import main\ncode = main(sys.argv[1:])\n"
+             "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith("
+             "'VmHWM:')), file=sys.stderr)\nsys.exit(code)\n")
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", child, "audit", str(d), "--json"],
                           capture_output=True, text=True, check=False)

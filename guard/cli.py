@@ -6,7 +6,9 @@ Only `guard demo` imports torch: serve, audit, targets and --version start witho
 from __future__ import annotations
 
 import argparse
+import io
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -121,6 +123,7 @@ def _run_audit(args: argparse.Namespace) -> int:
     import json
 
     from guard.errors import CheckpointError
+    from guard.quote import quote, shown
     from guard.vocab.checkpoint import audit_checkpoint
 
     for flag, n in (("--tensor-parallel", args.tensor_parallel),
@@ -128,17 +131,38 @@ def _run_audit(args: argparse.Namespace) -> int:
         if n is not None and n < 1:
             print(f"guard audit: {flag} must be a positive integer, got {n}", file=sys.stderr)
             return 2
+    # What a checkpoint names is printed escaped; a terminal that cannot show a character gets
+    # its escape rather than an exception.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
     try:
         result = audit_checkpoint(args.path, tensor_parallel=args.tensor_parallel,
                                   pad_multiple=args.pad_multiple, vocab_size=args.vocab_size)
-    except CheckpointError as e:
+    except Exception as e:  # untrusted input: one line, never a traceback
+        error = e if isinstance(e, CheckpointError) else CheckpointError(
+            args.path, f"unexpected {type(e).__name__} ({quote(str(e), 200)}); a bug of guard "
+            "audit, please report it with the files")
         if args.json:
             print(json.dumps({"path": args.path, "ok": False,
-                              "error": {"file": e.path, "expected": e.expected}}))
-        print(f"guard audit: cannot read {e}", file=sys.stderr)
+                              "error": {"file": error.path, "expected": error.expected}}))
+        print(f"guard audit: cannot read {shown(error.path, 300)}: "
+              f"{shown(error.expected, 2000)}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    print(json.dumps(_finite(result.to_dict()), indent=2, allow_nan=False) if args.json
+          else result)
     return 0 if result.ok else 1
+
+
+def _finite(value: object) -> object:
+    """`value` with every non-finite float as null: JSON has no NaN or Infinity."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _targets(sub: Subparsers) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import reprlib
 
-__all__ = ["quote"]
+__all__ = ["quote", "shown"]
 
 # Integers longer than this are named by their size: repr() of one past 4300 digits raises
 # ValueError (sys.get_int_max_str_digits), and a long one says nothing a reader can use.
@@ -29,3 +29,12 @@ def quote(value: object, limit: int = 80) -> str:
     short.maxlist = short.maxtuple = short.maxset = short.maxfrozenset = short.maxdeque = 4
     text = short.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown(text: str, limit: int = 200) -> str:
+    """`text` as it is when every character of it prints and it is short (a tensor name, a
+    file name); else quoted and escaped (`quote`), so a newline cannot forge an output line
+    and an escape sequence never reaches the terminal."""
+    if text and len(text) <= limit and text.isprintable():
+        return text
+    return quote(text, limit)

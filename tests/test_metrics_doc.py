@@ -42,13 +42,18 @@ def documented_metrics() -> dict[str, Row]:
 
 def served() -> dict[str, tuple[str, set[str], set[str]]]:
     """name -> (type, labels, label values) of a real server's /metrics holding one rank
-    that has every family: docs/wire.md's example report, halted, and a rejected request."""
+    that has every family: docs/wire.md's example report, halted, a rejected request and a
+    report with a field the server does not know."""
     example = json.loads(re.search(r"```json\n(.*?)```", (ROOT / "docs/wire.md").read_text(),
                                    re.S).group(1))  # type: ignore[union-attr]
     example["reports"][0] |= {"halted": "nonfinite", "events": []}
     with EmbeddedServer(port=0, settings=Settings(port=0, log_level="warning")) as server:
         server.store.ingest(ReportBatch.model_validate(example))
         assert httpx.post(f"{server.url}/v1/reports", content=b"x").status_code == 415
+        # A newer guard's report, with a field this server does not know: stored, counted.
+        newer = json.dumps({**example, "run_id": "newer", "sent_by": "guard 9"})
+        assert httpx.post(f"{server.url}/v1/reports", content=newer,
+                          headers={"content-type": "application/json"}).status_code == 202
         text = httpx.get(f"{server.url}/metrics").text
     found = {}
     for family in text_string_to_metric_families(text):

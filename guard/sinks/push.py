@@ -4,7 +4,8 @@
 never waits on the network and never sees its errors. The thread batches by count and time,
 retries connection errors, 5xx and 429 with exponential backoff (never sooner than the
 server's `Retry-After`), gives every request an overall deadline, reads at most
-`max_answer_bytes` of each answer, and counts what it drops. What will not heal by retrying (a
+`max_answer_bytes` of each answer, keeps no cookies, sends an older server only what it reads
+(guard/sinks/wire_version.py), and counts what it drops. What will not heal by retrying (a
 401, 403, 413 or 422, a TLS certificate refused) is dropped at once and logged (guard/sinks/
 replies.py); what is given up at close is logged there.
 
@@ -25,6 +26,8 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
@@ -38,6 +41,7 @@ from guard.sinks.replies import (
     refusal,
     split_credentials,
 )
+from guard.sinks.wire_version import ServerVersion
 from guard_server.wire import MAX_BATCH_REPORTS, ReportBatch, StepReport, bearer_token
 
 __all__ = ["PushSink"]
@@ -81,7 +85,11 @@ class PushSink:
         self._token_sent = token is not None
         self._max_answer_bytes = max_answer_bytes
         self._loop = asyncio.new_event_loop()  # the push thread's; see the module docstring
-        self._client = httpx.AsyncClient(headers=headers, auth=auth, timeout=timeout_s)
+        # No cookie jar: a receiver's Set-Cookie is never kept nor sent back (1500 of them an
+        # answer grew the jar to 22,500 cookies and the Cookie header to 1 MB).
+        no_cookies = CookieJar(DefaultCookiePolicy(allowed_domains=[]))
+        self._client = httpx.AsyncClient(headers=headers, auth=auth, timeout=timeout_s,
+                                         cookies=no_cookies)
         self._queue: deque[ReportBatch] = deque()  # one report each
         self._max_queue = max_queue
         self._batch_size = min(batch_size, MAX_BATCH_REPORTS)
@@ -89,8 +97,10 @@ class PushSink:
         self._deadline_s = deadline_s
         self._backoff_s = backoff_s
         self._errors = Throttled()
+        self._server = ServerVersion(self.where)  # the wire version its answers say
         self._cond = threading.Condition()
         self._closing = False
+        self._closed = False  # close() has returned: the thread says nothing more
         self._deadline = float("inf")  # close(): give up retrying after this
         self._in_flight = 0  # reports taken from the queue and not yet sent or dropped
         self._gave_up = 0  # reports in flight given up at close (the server never took them)
@@ -137,6 +147,7 @@ class PushSink:
             self.dropped += left
             self._queue.clear()
             self._in_flight = 0
+            self._closed = True
             if left + self._gave_up:
                 log.warning("guard: %d reports not pushed to %s within the %g s of close (last "
                             "try: %s); dropped, %d in all this run", left + self._gave_up,
@@ -152,27 +163,33 @@ class PushSink:
             self._in_flight = n
             return [self._queue.popleft() for _ in range(n)]
 
-    def _bodies(self, taken: list[ReportBatch]) -> list[tuple[bytes, int]]:
-        """(request body, reports in it): one batch per run and rank, in order, each stamped
-        with the drops so far and at most MAX_BATCH_BYTES."""
+    def _bodies(self, taken: list[ReportBatch]) -> list[ReportBatch]:
+        """One batch per run and rank, in order, each stamped with the drops so far and at
+        most MAX_BATCH_BYTES as a request body."""
         stamp = {"dropped_reports": self.dropped}
-        bodies: list[tuple[bytes, int]] = []
+        bodies: list[ReportBatch] = []
         for (run_id, rank), group in itertools.groupby(taken, lambda b: (b.run_id, b.rank)):
             reports = [r.model_copy(update=stamp) for b in group for r in b.reports]
-            bodies += _encode(ReportBatch(run_id=run_id, rank=rank, reports=reports))
+            bodies += _split(ReportBatch(run_id=run_id, rank=rank, reports=reports))
         return bodies
 
     def _run(self) -> None:
         try:
             while True:
-                for body, count in self._bodies(self._take()):
-                    self._send(body, count)
+                for part in self._bodies(self._take()):
+                    self._send(part)
                 with self._cond:
                     if self._closing and (not self._queue or time.monotonic() > self._deadline):
                         return
         finally:
             self._loop.run_until_complete(self._client.aclose())
             self._loop.close()
+
+    def _say(self, log_it: Callable[[], None]) -> None:
+        """Log from the push thread, unless close() has returned (then nothing more)."""
+        with self._cond:
+            if not self._closed:
+                log_it()
 
     def _settle(self, count: int, *, sent: bool) -> None:
         with self._cond:
@@ -198,35 +215,43 @@ class PushSink:
             # them their turn now (or they are destroyed pending when the loop closes).
             self._loop.run_until_complete(asyncio.sleep(0))
 
-    def _send(self, body: bytes, count: int) -> None:
-        delay = self._backoff_s[0]
+    def _send(self, part: ReportBatch) -> None:
+        delay, count = self._backoff_s[0], len(part.reports)
         while True:
             wait = delay
             try:
-                a = self._post(body)
+                sent_for = self._server.version
+                a = self._post(self._server.body(part))
+                if (older := self._server.heard(a.status, a.wire_version)) is not None:
+                    self._say(functools.partial(log.warning, "%s", older))
+                if a.status == 422 and self._server.version < sent_for:
+                    continue  # an older server: sent again at once without what it lacks
                 if a.status < 300:
                     self._settle(count, sent=True)
                     self._failing = False
                     return
                 if a.status not in _RETRY_STATUS:
                     self._settle(count, sent=False)
-                    self._errors.error(str(a.status), refusal(
-                        self.where, count, a, token_sent=self._token_sent))
+                    self._say(functools.partial(self._errors.error, str(a.status), refusal(
+                        self.where, count, a, token_sent=self._token_sent)))
                     return
                 why = f"HTTP {a.status}"
                 wait = max(delay, a.retry_after_s or 0.0)
             except (httpx.HTTPError, TimeoutError) as e:
                 if (cert := certificate_problem(e)) is not None:
                     self._settle(count, sent=False)
-                    self._errors.error("tls", _certificate_refused(self.where, count, cert))
+                    self._say(functools.partial(self._errors.error, "tls",
+                                                _certificate_refused(self.where, count, cert)))
                     return
                 why = (f"no complete answer within {self._deadline_s:g} s"
                        if isinstance(e, TimeoutError) else failure(e))
-            if not self._failing:  # said at the first failure, not only by a count at exit
-                self._failing = True
-                log.warning("guard: cannot push to %s (%s); reports wait in the queue and are "
-                            "retried with backoff", self.where, why)
             with self._cond:
+                # Said at the first failure, not only by a count at exit; while closing, close
+                # says what was lost (nothing waits to be retried then).
+                if not self._failing and not self._closing:
+                    log.warning("guard: cannot push to %s (%s); reports wait in the queue and "
+                                "are retried with backoff", self.where, why)
+                self._failing = True
                 self._failure = why
                 resume = time.monotonic() + wait
                 if not self._closing:
@@ -258,13 +283,12 @@ def _certificate_refused(where: str, count: int, why: str) -> str:
             f"trust its issuer with SSL_CERT_FILE; {count} reports dropped")
 
 
-def _encode(batch: ReportBatch) -> list[tuple[bytes, int]]:
-    """The batch as request bodies of at most MAX_BATCH_BYTES each (halved until they fit;
-    a single report is always far below the limit)."""
-    body = batch.model_dump_json().encode()
+def _split(batch: ReportBatch) -> list[ReportBatch]:
+    """The batch in parts whose request bodies are at most MAX_BATCH_BYTES each (halved until
+    they fit; a single report is always far below the limit, and a body lowered for an older
+    server is smaller still)."""
     n = len(batch.reports)
-    if len(body) <= MAX_BATCH_BYTES or n == 1:
-        return [(body, n)]
+    if n == 1 or len(batch.model_dump_json().encode()) <= MAX_BATCH_BYTES:
+        return [batch]
     halves: list[list[StepReport]] = [batch.reports[: n // 2], batch.reports[n // 2 :]]
-    return [part for half in halves
-            for part in _encode(batch.model_copy(update={"reports": half}))]
+    return [part for half in halves for part in _split(batch.model_copy(update={"reports": half}))]

@@ -18,6 +18,7 @@ from typing import cast
 import httpx
 
 from guard.quote import quote
+from guard_server.wire import WIRE_VERSION_HEADER
 
 __all__ = ["Answer", "Throttled", "certificate_problem", "failure", "read_answer", "redact",
            "refusal", "retry_after", "split_credentials"]
@@ -40,6 +41,7 @@ class Answer:
     status: int
     retry_after_s: float | None
     text: str
+    wire_version: str | None = None  # its Guard-Wire-Version header, as sent
 
 
 async def read_answer(client: httpx.AsyncClient, request: httpx.Request,
@@ -60,7 +62,8 @@ async def read_answer(client: httpx.AsyncClient, request: httpx.Request,
     finally:
         await response.aclose()  # what is left unread: the connection is closed, not reused
     return Answer(response.status_code, retry_after(response),
-                  head.decode("utf-8", errors="replace"))
+                  head.decode("utf-8", errors="replace"),
+                  response.headers.get(WIRE_VERSION_HEADER))
 
 
 def retry_after(response: httpx.Response) -> float | None:

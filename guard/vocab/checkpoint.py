@@ -1,30 +1,30 @@
 """The vocab audit of a Hugging Face model directory, without loading a weight (`guard audit`).
 
 Sizes come from config.json, the tokenizer files (tokenizer.json, else vocab.json /
-added_tokens.json, else a sentencepiece tokenizer.model) and the safetensors headers: an
-8-byte little-endian length, then that many bytes of JSON giving every tensor's dtype and
-shape. Pure Python and json; the same `audit_sizes` rule as `guard.attach` decides.
+added_tokens.json, else a sentencepiece tokenizer.model) and the safetensors headers; the
+files whose rows are read are validated by the safetensors library. The directory is
+untrusted input: every file is read within a bound (guard/vocab/files.py), and names from it
+are printed escaped. The same `audit_sizes` rule as `guard.attach` decides.
 """
 
 from __future__ import annotations
 
-import json
-import struct
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from guard.errors import CheckpointError
+from guard.quote import quote, shown
+from guard.vocab.files import load_json
+from guard.vocab.safetensors_header import Tensor, read_tensors, safetensors_shapes
 from guard.vocab.safetensors_rows import RowStats, row_stats
 from guard.vocab.safetensors_untrained import UntrainedStats, untrained_stats
 from guard.vocab.sizes import Audit, audit_sizes
-from guard.vocab.tokenizer_files import load_json, tokenizer_tokens, tokenizer_vocab
+from guard.vocab.tokenizer_files import tokenizer_tokens, tokenizer_vocab
 
 __all__ = ["CheckpointAudit", "TensorInfo", "audit_checkpoint", "safetensors_shapes"]
 
-# safetensors refuses headers over 100 MB; a bound also keeps a corrupt length from making us
-# read a whole multi-GB shard as "JSON".
-MAX_HEADER_BYTES = 100_000_000
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Where HF architectures keep the token embedding (name suffixes) and the output head (GPT-2
@@ -40,58 +40,51 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     file: str
+    # The path read, when the weight map points outside the directory (`../x`, an absolute
+    # path: transformers joins them the same way, so the audit reads what loading would).
+    outside: str | None = None
+    tensor: Tensor | None = field(default=None, compare=False, repr=False)  # validated
+
+    def describe(self) -> str:
+        where = f" (outside the checkpoint directory: read {shown(self.outside)})" \
+            if self.outside is not None else ""
+        return f"{shown(self.name)} {list(self.shape)} in {shown(self.file)}{where}"
+
+    def to_dict(self) -> dict[str, object]:
+        outside = {} if self.outside is None else {"outside": self.outside}
+        return {"name": self.name, "shape": list(self.shape), "file": self.file, **outside}
 
 
-def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a .safetensors file's header; no tensor data is read."""
-    try:
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(str(path), f"{len(prefix)} bytes; expected a safetensors "
-                                      "file starting with an 8-byte little-endian header length")
-            (n,) = struct.unpack("<Q", prefix)
-            size = path.stat().st_size
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CheckpointError(str(path), f"header length {n} does not fit in the "
-                                      f"{size}-byte file; expected a complete safetensors file "
-                                      "(truncated download?)")
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(str(path), f"cannot read ({e.strerror or e})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(str(path), f"the safetensors header is not valid JSON ({e})") \
-            from None
-    if not isinstance(header, dict):
-        raise CheckpointError(str(path), "the safetensors header is not a JSON object")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise CheckpointError(str(path), f"tensor {name!r} has no valid shape in the header")
-        shapes[name] = tuple(shape)
-    return shapes
+Shapes = dict[str, dict[str, tuple[int, ...]]]  # file -> tensor name -> shape
 
 
-def _weight_files(d: Path) -> dict[str, str]:
-    """Tensor name -> file name, from the shard index or the single file's header."""
+def _weight_files(d: Path) -> tuple[dict[str, str], Shapes]:
+    """Tensor name -> file name, from the shard index or the single file's header (and the
+    shapes of that header, read once)."""
     index = d / INDEX
     if index.exists():
         data = load_json(index, 'a JSON object with a "weight_map" of tensor name -> file')
         wm = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        if not isinstance(wm, dict):
             raise CheckpointError(str(index), 'expected a "weight_map" of tensor name -> file')
-        return wm
+        for name, file in wm.items():
+            if not isinstance(file, str) or not file or "\0" in file:
+                raise CheckpointError(str(index), f"weight_map[{quote(name)}] is "
+                                      f"{quote(file)}; expected a file name")
+        return wm, {}
     if (d / SINGLE).exists():
-        return dict.fromkeys(safetensors_shapes(d / SINGLE), SINGLE)
+        shapes = safetensors_shapes(d / SINGLE)
+        return dict.fromkeys(shapes, SINGLE), {SINGLE: shapes}
     other = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
     found = f"; found {', '.join(other[:3])}, which this audit does not read" if other else ""
     raise CheckpointError(str(d), f"no {SINGLE} or {INDEX}{found}. Save with "
                           "save_pretrained(..., safe_serialization=True)")
+
+
+def _outside(d: Path, file: str) -> str | None:
+    """The real path of `file` when it lies outside `d` (after `..` and links), else None."""
+    real, root = os.path.realpath(d / file), os.path.realpath(d)
+    return None if os.path.commonpath([real, root]) == root else real
 
 
 def _pick(names: list[str], suffixes: tuple[str, ...]) -> str | None:
@@ -100,7 +93,7 @@ def _pick(names: list[str], suffixes: tuple[str, ...]) -> str | None:
 
 
 def _find_heads(d: Path) -> tuple[TensorInfo, TensorInfo | None]:
-    files = _weight_files(d)
+    files, cache = _weight_files(d)
     names = sorted(files)
     emb_name, head_name = _pick(names, _EMBEDDING), _pick(names, _HEAD)
     if head_name is None and "output.weight" in files:
@@ -109,8 +102,6 @@ def _find_heads(d: Path) -> tuple[TensorInfo, TensorInfo | None]:
         where = INDEX if (d / INDEX).exists() else SINGLE
         raise CheckpointError(str(d / where), "no token embedding tensor; expected a name "
                               f"ending in one of {', '.join(_EMBEDDING)}")
-    cache: dict[str, dict[str, tuple[int, ...]]] = {}
-
     def info(name: str) -> TensorInfo:
         file = files[name]
         if file not in cache:
@@ -119,9 +110,15 @@ def _find_heads(d: Path) -> tuple[TensorInfo, TensorInfo | None]:
         if shape is None or len(shape) != 2:
             raise CheckpointError(str(d / file), f"expected a 2-D tensor {name!r} (rows, hidden), "
                                   f"got {'none' if shape is None else list(shape)}")
-        return TensorInfo(name, shape, file)
+        return TensorInfo(name, shape, file, _outside(d, file))
 
-    return info(emb_name), None if head_name is None else info(head_name)
+    found = [info(emb_name), *([] if head_name is None else [info(head_name)])]
+    # The files whose rows are read: each validated whole by the library, once.
+    tensors: dict[str, Tensor] = {}
+    for file in {t.file for t in found}:
+        tensors |= read_tensors(d / file, [t.name for t in found if t.file == file])
+    emb, *head = [replace(t, tensor=tensors[t.name]) for t in found]
+    return emb, head[0] if head else None
 
 
 @dataclass(frozen=True)
@@ -147,32 +144,30 @@ class CheckpointAudit:
             all(u.ok for u in self.untrained_rows)
 
     def to_dict(self) -> dict[str, object]:
-        def tensor(t: TensorInfo | None) -> dict[str, object] | None:
-            return None if t is None else {"name": t.name, "shape": list(t.shape), "file": t.file}
-
         return {"path": self.path, "config_vocab_size": self.config_vocab_size,
-                "real_source": self.real_source, "embedding": tensor(self.embedding),
-                "lm_head": tensor(self.lm_head), "tie_source": self.tie_source,
+                "real_source": self.real_source, "embedding": self.embedding.to_dict(),
+                "lm_head": None if self.lm_head is None else self.lm_head.to_dict(),
+                "tie_source": self.tie_source,
                 "audit": self.audit.to_dict(),
                 "padding_rows": [r.to_dict() for r in self.padding_rows],
                 "untrained_rows": [u.to_dict() for u in self.untrained_rows],
                 "unread_rows": list(self.unread_rows), "ok": self.ok}
 
     def __str__(self) -> str:
-        e, h = self.embedding, self.lm_head
-        head = (f"{h.name} {list(h.shape)} in {h.file}" if h is not None
+        h = self.lm_head
+        head = (h.describe() if h is not None
                 else "absent from the checkpoint (tied to the embedding)")
         lines = [
-            f"checkpoint {self.path}",
+            f"checkpoint {shown(self.path)}",
             f"  config.json   vocab_size={self.config_vocab_size}",
-            f"  tokenizer     real vocab {self.audit.real} from {self.real_source}",
-            f"  embedding     {e.name} {list(e.shape)} in {e.file}",
+            f"  tokenizer     real vocab {self.audit.real} from {shown(self.real_source)}",
+            f"  embedding     {self.embedding.describe()}",
             f"  lm_head       {head}",
             f"  tied          {'yes' if self.audit.tied else 'no'} ({self.tie_source})",
         ]
         lines += [f"  rows          {r.describe()}" for r in self.padding_rows]
         lines += [f"  untrained     {u.describe()}" for u in self.untrained_rows]
-        lines += [f"  rows          {name}: dtype not read; its rows are not checked"
+        lines += [f"  rows          {shown(name)}: dtype not read; its rows are not checked"
                   for name in self.unread_rows]
         bad = [r for r in self.padding_rows if not r.ok]
         untrained = [u for u in self.untrained_rows if not u.ok]
@@ -214,7 +209,8 @@ def audit_checkpoint(path: str | Path, *, tensor_parallel: int = 1, pad_multiple
     sub = config.get("text_config")
     text: dict[str, Any] = sub if isinstance(sub, dict) else {}
     cfg_vocab = config.get("vocab_size", text.get("vocab_size"))
-    cfg_vocab = cfg_vocab if isinstance(cfg_vocab, int) else None
+    cfg_vocab = cfg_vocab if isinstance(cfg_vocab, int) and not isinstance(cfg_vocab, bool) \
+        and 0 <= cfg_vocab < 2**63 else None
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
 
     emb, head = _find_heads(d)
@@ -231,7 +227,7 @@ def audit_checkpoint(path: str | Path, *, tensor_parallel: int = 1, pad_multiple
     rows = (head or emb).shape[0]
     if cfg_vocab is not None and cfg_vocab != rows:
         problems.append(f"config.json vocab_size {cfg_vocab} != {rows} rows of "
-                        f"{(head or emb).name}: the config and the weights disagree")
+                        f"{shown((head or emb).name)}: the config and the weights disagree")
 
     if vocab_size is not None:
         real, source = vocab_size, "--vocab-size"
@@ -248,7 +244,7 @@ def audit_checkpoint(path: str | Path, *, tensor_parallel: int = 1, pad_multiple
     rows_read, unread = _padding_rows(d, real, tensors)
     pad = config.get("pad_token_id", text.get("pad_token_id"))
     untrained = _untrained_rows(d, min(real, rows), tensors,
-                                pad if isinstance(pad, int) else None)
+                                pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
     return CheckpointAudit(str(d), cfg_vocab, source, emb, head, tie_source, aud, rows_read,
                            unread, untrained)
 
@@ -261,7 +257,7 @@ def _untrained_rows(d: Path, real: int, tensors: list[TensorInfo],
     found = []
     for t in tensors:
         exempt = (pad,) if pad is not None and t is tensors[0] else ()
-        stats = untrained_stats(d / t.file, t.name, real, exempt=exempt)
+        stats = untrained_stats(d / t.file, t.name, real, exempt=exempt, tensor=t.tensor)
         if stats is not None:
             found.append(stats)
     ids = sorted({i for s in found for i in s.ids})
@@ -280,7 +276,7 @@ def _padding_rows(d: Path, real: int,
     for t in tensors:
         if t.shape[0] <= real:
             continue
-        stats = row_stats(d / t.file, t.name, real, t.shape[0])
+        stats = row_stats(d / t.file, t.name, real, t.shape[0], tensor=t.tensor)
         if stats is None:
             unread.append(t.name)
         else:

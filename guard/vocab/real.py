@@ -6,15 +6,19 @@ column and no ghost id, and says so (coverage, at attach)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from guard.errors import AttachError, CheckpointError
+from guard.quote import quote
 from guard.vocab.tokenizer_files import tokenizer_vocab
 
 __all__ = ["GIVE_IT", "Real", "checkpoint_dir", "config_levels", "find_real"]
+
+log = logging.getLogger("guard")
 
 # Configs that keep the unpadded size beside a padded `vocab_size` (HF's Inkling
 # `unpadded_vocab_size`, and the names conversions from other frameworks use).
@@ -101,8 +105,11 @@ def _from_checkpoint(model: Any) -> tuple[int | None, str]:
         return None, "no local checkpoint directory (config._name_or_path)"
     try:
         n, source = tokenizer_vocab(Path(where))
-    except CheckpointError as e:
-        return None, f"the tokenizer files in {where} ({e})"
+    except Exception as e:  # untrusted files never stop an attach
+        why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+        log.warning("guard: cannot read the tokenizer files of %s (%s); going on without "
+                    "them", quote(where, 300), quote(why, 500))
+        return None, f"the tokenizer files in {where} (unreadable: {quote(why, 300)})"
     if n is None:
         return None, f"{where}: {source}"
     return n, f"{source} in {where}"

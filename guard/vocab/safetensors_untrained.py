@@ -1,23 +1,23 @@
 """The untrained_rows rules read from a .safetensors file (`guard audit`): the same three rules
-and thresholds as guard.attach on the device (guard/device/untrained_rules.py), in pure Python,
-every row of the real vocab [0, real) once, a block of rows per read.
+and thresholds as guard.attach on the device (guard/device/untrained_rules.py), with numpy on
+the host, every row of the real vocab [0, real) once, a few MiB of rows per read.
 
-Per row: its norm (math.hypot over the row, in C), its largest magnitude only when the norm
-leaves the epsilon rule open (norm between epsilon and sqrt(d) x epsilon), and a digest of its
-bytes for the identical rows. What it costs: docs/audit.md (a 128k x 4096 bfloat16 embedding).
+Per row: its largest magnitude and its norm (float64), whether it is finite, and a digest of
+its bytes for the identical rows. What it costs: docs/audit.md (a 128k x 4096 bfloat16
+embedding).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-import statistics
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from guard.vocab.safetensors_rows import DTYPES, decode, iter_rows
+import numpy as np
+
+from guard.vocab.safetensors_header import Tensor, read_tensor
+from guard.vocab.safetensors_rows import DTYPES, blocks, norms
 from guard.vocab.untrained_rules import (
     DUPLICATES,
     EPSILON,
@@ -61,9 +61,11 @@ class UntrainedStats:
 
     def describe(self) -> str:
         """One line: the ids, their tokens, and what each rule found."""
+        from guard.quote import shown
+
         if self.ok:
-            return f"rows [0, {self.real}) of {self.tensor}: none untrained"
-        return (f"rows [0, {self.real}) of {self.tensor}: {len(self.ids)} untrained, ids "
+            return f"rows [0, {self.real}) of {shown(self.tensor)}: none untrained"
+        return (f"rows [0, {self.real}) of {shown(self.tensor)}: {len(self.ids)} untrained, ids "
                 f"{id_list(self.ids, self.tokens)} "
                 f"({reasons(self.ids, self.why, self.rules, self.reference)})")
 
@@ -77,35 +79,38 @@ class UntrainedStats:
 
 
 def untrained_stats(path: Path, name: str, real: int, rules: Rules = Rules(), *,
-                    exempt: tuple[int, ...] = ()) -> UntrainedStats | None:
-    """Rows [0, real) of tensor `name` by the rules; `exempt` rows are never untrained (the
-    embedding's padding row, zero by design). None for a dtype this reader does not decode."""
-    dtype, rows = iter_rows(path, name, 0, real)
-    if dtype not in DTYPES:
+                    exempt: tuple[int, ...] = (),
+                    tensor: Tensor | None = None) -> UntrainedStats | None:
+    """Rows [0, real) of tensor `name` (`tensor`, when its file was validated already) by the
+    rules; `exempt` rows are never untrained (the embedding's padding row, zero by design).
+    None for a dtype this reader does not decode."""
+    t = tensor if tensor is not None else read_tensor(path, name)
+    if t.dtype not in DTYPES:
         return None
-    norms: list[float] = []
-    zero: set[int] = set()
-    same: dict[bytes, list[int]] = defaultdict(list)
-    width = 0
-    for i, raw in enumerate(rows):
-        values = decode(raw, dtype)
-        width = len(values)
-        norm = math.hypot(*values)
-        norms.append(norm)
-        if not math.isfinite(norm):
-            continue
-        # max |x| <= norm <= sqrt(d) max |x|: the largest value only where that decides.
-        if norm <= rules.epsilon or (norm <= math.sqrt(width) * rules.epsilon
-                                     and max(map(abs, values)) <= rules.epsilon):
-            zero.add(i)
-        same[hashlib.blake2b(raw, digest_size=16).digest()].append(i)
+    real = min(real, t.shape[0])
+    top, norm, finite = (np.empty(real) for _ in range(3))
+    digests = bytearray()
+    for b in blocks(path, t, range(real)):
+        at = slice(b.first, b.first + len(b.values))
+        top[at] = np.abs(b.values).max(axis=1, initial=0.0)
+        norm[at] = norms(b.values)
+        finite[at] = np.isfinite(b.values).all(axis=1)
+        raw, width = memoryview(b.raw), len(b.raw) // len(b.values)
+        for i in range(len(b.values)):
+            digests += hashlib.blake2b(raw[i * width:(i + 1) * width], digest_size=16).digest()
+    ok = finite > 0
+    zero = ok & (top <= rules.epsilon)
+    others = ok & ~zero
     # torch's median is the lower middle value: the same reference as on the device.
-    others = [n for i, n in enumerate(norms) if math.isfinite(n) and i not in zero]
-    reference = statistics.median_low(others) if others else 0.0
-    small = {i for i, n in enumerate(norms) if math.isfinite(n) and i not in zero
-             and n < rules.norm_ratio * reference}
-    twins = {i for group in same.values() if len(group) >= rules.duplicates for i in group}
-    why = {i: (ZERO if i in zero else 0) | (SMALL if i in small else 0) |
-           (SAME if i in twins else 0) for i in zero | small | twins if i not in exempt}
-    ids = tuple(sorted(why))
-    return UntrainedStats(name, real, dtype, ids, tuple(why[i] for i in ids), reference, rules)
+    kept = np.sort(norm[others])
+    reference = float(kept[(len(kept) - 1) // 2]) if len(kept) else 0.0
+    small = others & (norm < rules.norm_ratio * reference)
+    _, group, count = np.unique(np.frombuffer(bytes(digests), "V16"), return_inverse=True,
+                                return_counts=True)
+    same = ok & (count[group] >= rules.duplicates)
+    why = zero * ZERO | small * SMALL | same * SAME
+    if exempt:
+        why[[i for i in exempt if 0 <= i < real]] = 0
+    ids = tuple(int(i) for i in np.flatnonzero(why))
+    return UntrainedStats(name, real, t.dtype, ids, tuple(int(why[i]) for i in ids),
+                          reference, rules)

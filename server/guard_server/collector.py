@@ -44,8 +44,8 @@ def family(f: Family, rows: Iterable[Row]) -> GaugeMetricFamily | CounterMetricF
 
 
 def server_families(reports_total: int, rejected: Mapping[RejectReason, int], runs: int,
-                    ranks: int,
-                    held_bytes: int) -> list[Metric]:
+                    ranks: int, held_bytes: int,
+                    unknown: Mapping[str, int] | None = None) -> list[Metric]:
     """The server's own families: what it accepted and refused, what it holds now (after
     eviction: what its memory grows with)."""
     ingested = CounterMetricFamily(
@@ -58,7 +58,13 @@ def server_families(reports_total: int, rejected: Mapping[RejectReason, int], ru
     )
     for reason, count in rejected.items():
         refused.add_metric([reason], count)
-    return [ingested, refused,
+    fields = CounterMetricFamily(
+        "guard_ingest_unknown_fields_total", "Times an accepted report carried a field this "
+        "server does not know (a newer guard's), per field; stored without it.",
+        labels=["field"])
+    for name, count in (unknown or {}).items():
+        fields.add_metric([name], count)
+    return [ingested, refused, fields,
             GaugeMetricFamily("guard_server_runs", "Runs this server holds state for.",
                               value=runs),
             GaugeMetricFamily("guard_server_ranks", "Ranks this server holds state for, over "
@@ -74,7 +80,7 @@ def build_families(snap: Snapshot) -> list[Metric]:
     runs = len({view.run_id for view in snap.ranks})
     return [*(family(f, rows) for f in PER_RANK),
             *server_families(snap.reports_total, snap.rejected, runs, len(rows),
-                             snap.held_bytes)]
+                             snap.held_bytes, snap.unknown)]
 
 
 class StoreCollector(Collector):

@@ -1,5 +1,6 @@
 """Connection hygiene for uvicorn's h11 protocol: a cap on open connections, a deadline
-for each request's headers, and one for its answer to be taken whole.
+for each request's headers, one for its answer to be taken whole, and one for a client that
+stops taking its answer (no progress: a stalled reader holds a scrape's turn).
 
 uvicorn bounds neither: a connection that never sends a byte stays open forever (its
 keep-alive timer starts only after a first response), and every stalled client holds a file
@@ -21,7 +22,7 @@ import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["guarded_protocol", "raise_fd_limit"]
+__all__ = ["TRAINER_SHARE", "guarded_protocol", "raise_fd_limit", "trainer_connections"]
 
 log = logging.getLogger("guard_server")
 
@@ -31,6 +32,9 @@ _WARN_EVERY_S = 60.0
 _READ_BYTES = 64 << 10
 # SO_LINGER on, 0 s: closing the socket resets the connection, dropping what it has not sent.
 _RESET = struct.pack("ii", 1, 0)
+# The trainer's endpoint holds at most this share of the process's soft open-files limit (64
+# of the usual 1024): the training job's own files, sockets and data loaders come first.
+TRAINER_SHARE = 16
 
 
 class _Tally:
@@ -38,7 +42,8 @@ class _Tally:
 
     def __init__(self) -> None:
         self.counts = dict.fromkeys(("over the connection limit", "without a request in time",
-                                     "with an answer not taken in time"), 0)
+                                     "with an answer not taken in time",
+                                     "whose client stopped taking its answer"), 0)
         self.last_warning = float("-inf")
 
     def add(self, kind: str, limit: str) -> None:
@@ -51,20 +56,29 @@ class _Tally:
             self.counts = dict.fromkeys(self.counts, 0)
 
 
-def guarded_protocol(max_connections: int, read_timeout_s: float,
-                     write_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's H11Protocol with a connection cap, a request-head deadline and an answer
-    deadline."""
+def _cancel(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
+    """Cancel `timer` when one is set; returns None, what its attribute holds from then on."""
+    if timer is not None:
+        timer.cancel()
+    return None
+
+
+def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_s: float,
+                     write_stall_s: float = 5.0) -> type[H11Protocol]:
+    """uvicorn's H11Protocol with a connection cap, a request-head deadline, an answer
+    deadline and a progress deadline for the answer."""
     tally = _Tally()
     limits = (
         f"GUARD_SERVER_MAX_CONNECTIONS={max_connections}, "
         f"GUARD_SERVER_READ_TIMEOUT_S={read_timeout_s}, "
-        f"GUARD_SERVER_WRITE_TIMEOUT_S={write_timeout_s}"
+        f"GUARD_SERVER_WRITE_TIMEOUT_S={write_timeout_s}, "
+        f"GUARD_SERVER_WRITE_STALL_S={write_stall_s}"
     )
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
         _answer_timer: asyncio.TimerHandle | None = None
+        _stall_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -81,7 +95,29 @@ def guarded_protocol(max_connections: int, read_timeout_s: float,
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             self._answered()
+            self._moving()
             super().connection_lost(exc)
+
+        # Progress: the transport pauses the answer's writer when more than its high-water
+        # mark (64 KiB) waits unsent, and resumes it once the client has taken all but the
+        # low-water mark (16 KiB). Paused for write_stall_s, the client has stopped reading:
+        # its answer, and the scrape turn it holds, are cut then, not at the write timeout.
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._moving()
+            self._stall_timer = self.loop.call_later(write_stall_s, self._stalled)
+
+        def resume_writing(self) -> None:
+            self._moving()
+            super().resume_writing()
+
+        def _moving(self) -> None:
+            self._stall_timer = _cancel(self._stall_timer)
+
+        def _stalled(self) -> None:
+            self._stall_timer = None
+            tally.add("whose client stopped taking its answer", limits)
+            self._reset()
 
         def handle_events(self) -> None:
             before = self.cycle
@@ -113,14 +149,10 @@ def guarded_protocol(max_connections: int, read_timeout_s: float,
             self._head_timer = self.loop.call_later(read_timeout_s, self._head_timeout)
 
         def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            self._head_timer = _cancel(self._head_timer)
 
         def _answered(self) -> None:
-            if self._answer_timer is not None:
-                self._answer_timer.cancel()
-                self._answer_timer = None
+            self._answer_timer = _cancel(self._answer_timer)
 
         def _late(self) -> None:
             # The request's answer (a scrape, most likely) is not written, or not taken, whole
@@ -130,10 +162,13 @@ def guarded_protocol(max_connections: int, read_timeout_s: float,
             written = self.cycle is None or self.cycle.response_complete
             if not written or self.transport.get_write_buffer_size():
                 tally.add("with an answer not taken in time", limits)
-                sock = self.transport.get_extra_info("socket")
-                if sock is not None:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
-                self.transport.abort()
+                self._reset()
+
+        def _reset(self) -> None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+            self.transport.abort()
 
         def _head_timeout(self) -> None:
             self._head_timer = None
@@ -157,3 +192,13 @@ def raise_fd_limit(wanted: int) -> int:
         except (ValueError, OSError):
             pass
     return max(soft - 64, 8)
+
+
+def trainer_connections(wanted: int) -> int:
+    """The connections the trainer's endpoint may hold: at most `wanted`, and at most
+    1/TRAINER_SHARE of the process's soft open-files limit, which it never raises (a cap
+    counted from a raised limit left the training loop 64 spare descriptors)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return min(wanted, max(8, soft // TRAINER_SHARE))

@@ -63,13 +63,17 @@ class EmbeddedServer:
         self._start_timeout_s = start_timeout_s
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._trainer = False  # the training process's own endpoint (for_trainer)
 
     @classmethod
     def for_trainer(cls, host: str = "127.0.0.1", port: int = 9464) -> EmbeddedServer:
         """The trainer's endpoint: reads only (no POST /v1/reports: the guard feeds its store
-        in-process), quiet, and no step-rate bound (its reports are the trainer's own)."""
+        in-process), quiet, no step-rate bound (its reports are the trainer's own), and at
+        most 1/16 of the process's soft open-files limit in connections."""
         settings = Settings(host=host, port=port, log_level="warning", max_step_rate=None)
-        return cls(host, port, settings=settings, ingest=False)
+        server = cls(host, port, settings=settings, ingest=False)
+        server._trainer = True  # a share of the trainer's descriptors (connections.py)
+        return server
 
     def start(self) -> str:
         """Bind and serve; return the base URL. Raises PortInUseError if the port is taken."""
@@ -78,7 +82,8 @@ class EmbeddedServer:
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn_config(
-            self.app, self.settings, host=self.host, port=self.port, own_logging=False
+            self.app, self.settings, host=self.host, port=self.port, own_logging=False,
+            trainer=self._trainer,
         )
         server = _Server(config)
         thread = threading.Thread(

@@ -84,7 +84,8 @@ def _pieces(store: Store, encode: Encoder, piece: int) -> Iterator[bytes]:
 def _server(store: Store, keys: list[tuple[str, int]]) -> list[Metric]:
     reports, held = store.totals()
     runs = len({run_id for run_id, _ in keys})
-    return server_families(reports, store.rejections.snapshot(), runs, len(keys), held)
+    return server_families(reports, store.rejections.snapshot(), runs, len(keys), held,
+                           store.unknown.snapshot())
 
 
 def _framing(f: Family, encode: Encoder) -> tuple[bytes, bytes]:

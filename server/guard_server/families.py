@@ -78,8 +78,9 @@ PER_RANK: tuple[Family, ...] = (
            varies=True),
     Family("guard_untrained_tokens_total", "counter",
            "Input ids and labels that fell on never-trained rows since attach, per kind.",
-           ("kind",), lambda r, seen: [((k,), getattr(r.untrained_tokens, k)) for k in ID_KINDS],
-           most=len(ID_KINDS)),
+           ("kind",), lambda r, seen: () if r.untrained_tokens is None else
+           [((k,), getattr(r.untrained_tokens, k)) for k in ID_KINDS], most=len(ID_KINDS),
+           varies=True),
     Family("guard_grad_norm", "gauge",
            "Total gradient norm of the last step read (over every gradient the optimizer "
            "applies).", (), lambda r, seen: _gauge(r.grad_norm), varies=True),

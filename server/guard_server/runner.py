@@ -11,9 +11,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from guard_server.app import create_app
-from guard_server.connections import guarded_protocol, raise_fd_limit
+from guard_server.connections import guarded_protocol, raise_fd_limit, trainer_connections
 from guard_server.listen import server_socket
 from guard_server.settings import Settings
+from guard_server.wire import WIRE_VERSION, WIRE_VERSION_HEADER
 
 log = logging.getLogger("guard_server")
 
@@ -21,17 +22,21 @@ __all__ = ["is_loopback", "serve", "uvicorn_config"]
 
 
 def uvicorn_config(
-    app: FastAPI, settings: Settings, *, host: str, port: int, own_logging: bool
+    app: FastAPI, settings: Settings, *, host: str, port: int, own_logging: bool,
+    trainer: bool = False,
 ) -> uvicorn.Config:
-    """One uvicorn worker for `app`; `own_logging=False` leaves the host's logging alone."""
+    """One uvicorn worker for `app`; `own_logging=False` leaves the host's logging alone;
+    `trainer` (the training process's own endpoint) takes a share of its descriptors and
+    never raises its open-files limit."""
     # A single worker on purpose: the state lives in this process's memory, so a second worker
     # would hold a different half of the ranks and each scrape would see one half.
     extra: dict[str, Any] = {} if own_logging else {"log_config": None}
     if settings.ssl_certfile is not None:
         extra |= {"ssl_certfile": str(settings.ssl_certfile),
                   "ssl_keyfile": str(settings.ssl_keyfile)}
-    room = raise_fd_limit(settings.max_connections)
-    if room < settings.max_connections:
+    room = (trainer_connections(settings.max_connections) if trainer
+            else raise_fd_limit(settings.max_connections))
+    if room < settings.max_connections and not trainer:
         log.warning("guard server: the open-files limit leaves room for %d connections, not "
                     "GUARD_SERVER_MAX_CONNECTIONS=%d; raise `ulimit -n`", room,
                     settings.max_connections)
@@ -46,9 +51,12 @@ def uvicorn_config(
         access_log=settings.access_log,
         timeout_graceful_shutdown=5,
         http=guarded_protocol(min(room, settings.max_connections), settings.read_timeout_s,
-                              settings.write_timeout_s),
+                              settings.write_timeout_s, settings.write_stall_s),
         # uvicorn takes whole seconds here (it passes the value to call_later unchanged).
         timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
+        # Every answer says the wire version this server reads: the push sink lowers its
+        # reports to it (docs/wire.md, "Versions").
+        headers=[(WIRE_VERSION_HEADER, str(WIRE_VERSION))],
         **extra,
     )
 

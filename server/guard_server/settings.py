@@ -104,6 +104,11 @@ class Settings(BaseSettings):
     # scrape's turn, and what the connection has not taken, for as long as it likes. The
     # costliest scrape the caps admit (86 MB) is written in ~5 s on 2 cores.
     write_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    # A client that takes none of its answer for this long while the server waits to write
+    # (more than 64 KiB unsent) is reset: four clients that asked for /metrics and never read
+    # held every scrape turn for the 60 s above. Prometheus takes a scrape as it comes; a
+    # reader that takes 48 KiB every 5 s goes on, up to the write timeout.
+    write_stall_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     keep_alive_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = False  # one line per push would dwarf everything else in the log

@@ -23,6 +23,7 @@ from guard_server.errors import CapacityError, StepJumpError
 from guard_server.families import series_of
 from guard_server.rejections import Rejections, RejectReason
 from guard_server.settings import Settings
+from guard_server.unknown_fields import UnknownFields
 from guard_server.wire import Event, ReportBatch, StepReport
 
 __all__ = ["RankView", "Row", "Snapshot", "Store"]
@@ -71,6 +72,7 @@ class Snapshot:
     reports_total: int
     rejected: dict[RejectReason, int] = field(default_factory=dict)
     held_bytes: int = 0
+    unknown: dict[str, int] = field(default_factory=dict)
 
 
 class Store:
@@ -79,6 +81,7 @@ class Store:
     def __init__(self, settings: Settings | None = None, *, clock: Callable[[], float] = time.time):
         self.settings = settings if settings is not None else Settings()
         self.rejections = Rejections()  # the ingest route counts its refusals here too
+        self.unknown = UnknownFields()  # and the fields of a newer guard's reports
         self._clock = clock
         self._lock = threading.Lock()
         self._runs: dict[str, dict[int, _Rank]] = {}
@@ -116,7 +119,7 @@ class Store:
             ]
             total, held = self._reports_total, self._budget.bytes
         ranks.sort(key=lambda v: (v.run_id, v.rank))
-        return Snapshot(ranks, total, self.rejections.snapshot(), held)
+        return Snapshot(ranks, total, self.rejections.snapshot(), held, self.unknown.snapshot())
 
     def rank_keys(self) -> list[tuple[str, int]]:
         """Every (run_id, rank) held now, sorted, expired ones swept first: the order a scrape

@@ -2,13 +2,20 @@
 
 The library builds its reports with these models and clips to these limits; the server
 validates every request body against them. Importing this module pulls in no fastapi.
+
+The wire evolves compatibly (docs/wire.md, "Versions"): a field added after the first release
+is optional, `Annotated[... | None, Since(N)] = None` (absent: not reported), and a check name
+added after it is listed in CHECK_SINCE; WIRE_VERSION is the newest of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
 __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
     "ACTIONS",
@@ -16,6 +23,7 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "ActionName",
     "AttachId",
     "CHECKS",
+    "CHECK_SINCE",
     "CheckName",
     "Event",
     "ID_KINDS",
@@ -30,6 +38,7 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "RUN_ID_PATTERN",
     "ReportBatch",
     "RunId",
+    "Since",
     "StepReport",
     "TENSORS",
     "TensorKind",
@@ -37,8 +46,12 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "UntrainedTokens",
     "VocabSizes",
     "WEIGHTS",
+    "WIRE_VERSION",
+    "WIRE_VERSION_HEADER",
     "WeightName",
     "bearer_token",
+    "since",
+    "wire_models",
 ]
 
 CheckName = Literal[
@@ -49,16 +62,29 @@ CheckName = Literal[
 ActionName = Literal["fail", "mask", "skip", "warn", "repair"]
 CHECKS: tuple[CheckName, ...] = get_args(CheckName)
 ACTIONS: tuple[ActionName, ...] = get_args(ActionName)
+# The wire version each check name was added in; the first release's (1) are not listed.
+CHECK_SINCE: Mapping[str, int] = {"untrained_rows": 2}
+# Every answer of a guard server says the wire version it reads (a server of the first
+# release, version 1, says none); the push sink sends a server no field or check it lacks.
+WIRE_VERSION_HEADER = "Guard-Wire-Version"
 # The values of the per-kind labels, declared once here: each is also the fields of its report
-# model below, in this order (tests/server/test_wire.py holds them equal), and the library's
+# model below, in this order (tests/test_contract.py holds them equal), and the library's
 # specs key their slots by them (guard/checks/), the metric families emit them (families.py).
-# NonFinite: guard_nonfinite_values_total; "grad" came after the first release (optional).
+# NonFinite: guard_nonfinite_values_total; "grad" came with wire version 3 (optional).
 TensorKind = Literal["logits", "hidden", "loss", "grad"]
 IdKind = Literal["input", "label"]  # OutOfRange, UntrainedTokens: their `kind` label
 WeightName = Literal["embedding", "lm_head"]  # UntrainedRows: guard_untrained_rows{weight}
 TENSORS: tuple[TensorKind, ...] = get_args(TensorKind)
 ID_KINDS: tuple[IdKind, ...] = get_args(IdKind)
 WEIGHTS: tuple[WeightName, ...] = get_args(WeightName)
+
+
+@dataclass(frozen=True)
+class Since:
+    """A field's metadata: the wire version that added it (after the first release, so the
+    field is optional and its absence means "not reported", never a zero)."""
+
+    version: int
 
 # Bounds of one report: a request stays far below the body limit (1 MiB) even with every
 # event at its longest, and a dashboard's event list stays readable.
@@ -103,6 +129,7 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_integral)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
+Name = Annotated[str, Field(max_length=MAX_MODULE)]  # a module's or parameter's qualified name
 AttachId = Annotated[str, Field(min_length=8, max_length=64, pattern=ATTACH_ID_PATTERN)]
 Rank = Annotated[int, Field(ge=0, le=65535), BeforeValidator(_integral)]
 
@@ -119,7 +146,8 @@ class NonFinite(_Wire):
     logits: Count
     hidden: Count
     loss: Count
-    grad: Count | None = None  # None: the gradients are not checked (or an older client)
+    # None: the gradients are not checked (or a client before wire version 3).
+    grad: Annotated[Count | None, Since(3)] = None
 
 
 class OutOfRange(_Wire):
@@ -164,8 +192,9 @@ class Event(_Wire):
 class StepReport(_Wire):
     """The guard's state at one step boundary; counters are cumulative since attach."""
 
-    # Every field is required, nullable ones included: a client that forgets one is a 422 that
-    # names it, not a silent zero on a dashboard.
+    # Every field of the first release is required, nullable ones included: a client that
+    # forgets one is a 422 that names it, not a silent zero on a dashboard. A field added since
+    # is optional, absent from the reports of an older guard (not reported: no series).
     attach_id: AttachId
     step: Count
     timestamp: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -174,8 +203,8 @@ class StepReport(_Wire):
     padding_mass_max: Ratio | None
     nonfinite: NonFinite
     out_of_range: OutOfRange
-    untrained_rows: UntrainedRows | None  # null: the check is off
-    untrained_tokens: UntrainedTokens
+    untrained_rows: Annotated[UntrainedRows | None, Since(2)] = None  # null: the check is off
+    untrained_tokens: Annotated[UntrainedTokens | None, Since(2)] = None
     violations: dict[CheckName, dict[ActionName, Count]]
     skipped_steps: Count
     halted: CheckName | None
@@ -183,13 +212,13 @@ class StepReport(_Wire):
     dropped_reports: Count
     final: bool
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)]
-    # Added after the first release: optional, absent or None = not reported (never a zero).
-    grad_norm: Finite | None = None  # the total gradient norm of the last step read
-    grad_norm_top: Annotated[str, Field(max_length=MAX_MODULE)] | None = None  # its largest
-    grad_norm_top_share: Ratio | None = None  # that parameter's share of the squared norm
-    logsumexp: Finite | None = None  # log Z of the real-vocab logits, mean over the sample
-    logsumexp_max: Finite | None = None  # and its largest
-    scaler_skipped_steps: Count | None = None  # updates the loop skipped (GradScaler)
+    # Wire version 3: the gradients, log Z, the updates the loop skipped.
+    grad_norm: Annotated[Finite | None, Since(3)] = None  # total norm of the last step read
+    grad_norm_top: Annotated[Name | None, Since(3)] = None  # its largest parameter, by name
+    grad_norm_top_share: Annotated[Ratio | None, Since(3)] = None  # of the squared norm
+    logsumexp: Annotated[Finite | None, Since(3)] = None  # log Z of the real-vocab logits
+    logsumexp_max: Annotated[Finite | None, Since(3)] = None  # and its largest
+    scaler_skipped_steps: Annotated[Count | None, Since(3)] = None  # skipped by GradScaler
 
 
 class ReportBatch(_Wire):
@@ -198,3 +227,29 @@ class ReportBatch(_Wire):
     run_id: RunId
     rank: Rank
     reports: Annotated[list[StepReport], Field(min_length=1, max_length=MAX_BATCH_REPORTS)]
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, _Wire):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def wire_models(model: type[BaseModel] = ReportBatch,
+                path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], type[BaseModel]]]:
+    """Every model of the wire, with the field names that lead to it from the batch
+    (("reports", "nonfinite"), NonFinite); a list on the way is a level of its items."""
+    yield path, model
+    for name, info in model.model_fields.items():
+        for inner in _models_in(info.annotation):
+            yield from wire_models(inner, (*path, name))
+
+
+def since(info: FieldInfo) -> int:
+    """The wire version a field was added in (1: the first release's)."""
+    return max([1, *(m.version for m in info.metadata if isinstance(m, Since))])
+
+
+# The version this side speaks: its newest field's or check name's.
+WIRE_VERSION = max([*(since(f) for _, m in wire_models() for f in m.model_fields.values()),
+                    *CHECK_SINCE.values()])

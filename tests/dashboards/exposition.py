@@ -97,6 +97,7 @@ def fault_exposition(scrape: int, now: float) -> str:
         ("guard_ingest_rejected_total", "counter", [
             ('reason="unauthorized"', n), ('reason="invalid"', 2),
         ]),
+        ("guard_ingest_unknown_fields_total", "counter", [('field="reports.z_loss"', n)]),
         ("guard_server_runs", "gauge", [("", 1)]),
         ("guard_server_ranks", "gauge", [("", 2)]),
         ("guard_server_bytes", "gauge", [("", 12288)]),

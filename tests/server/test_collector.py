@@ -31,7 +31,8 @@ def exposed(metrics: Iterable[Metric]) -> dict[str, tuple[str, set[str]]]:
 # beside each family's own), and the server's own families. docs/metrics.md, which a test holds
 # to a live server's /metrics, is the list a user reads.
 DESIGN = {f.name: (f.kind, set(f.labels)) for f in PER_RANK}
-SERVER = exposed(server_families(0, dict.fromkeys(get_args(RejectReason), 0), 0, 0, 0))
+SERVER = exposed(server_families(0, dict.fromkeys(get_args(RejectReason), 0), 0, 0, 0,
+                                 {"a_field": 0}))
 
 SERVER_PREFIXES = ("guard_ingest_", "guard_server_")
 
@@ -43,6 +44,7 @@ def store(make_batch: Any, clock: Any) -> Store:
         ReportBatch.model_validate(make_batch(run_id="r1", rank=3, steps=(7,), halted="nonfinite"))
     )
     store.ingest(ReportBatch.model_validate(make_batch(run_id="r1", rank=4, steps=(8,), loss=None)))
+    store.unknown.count(["reports.grad_norm"])  # what the ingest route counts of a newer guard
     return store
 
 

@@ -91,3 +91,51 @@ def test_accepted_connections_send_without_nagle_delay() -> None:
         return nodelay[0]
 
     assert asyncio.run(asyncio.wait_for(accept_one(), 10)) != 0
+
+
+_TRAINER = """\
+import os, resource, sys, tempfile
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+from guard_server import EmbeddedServer
+server = EmbeddedServer.for_trainer("127.0.0.1", 0)
+server.start()
+print(server.port, flush=True)
+sys.stdin.readline()  # the other side holds its idle connections now
+files = []
+try:
+    for _ in range(200):
+        files.append(tempfile.TemporaryFile())
+except OSError:
+    pass
+print(len(files), flush=True)
+"""
+
+
+def test_the_trainers_endpoint_leaves_the_training_process_its_descriptors() -> None:
+    # A training process with a 256-descriptor limit, 300 idle connections at its endpoint:
+    # the endpoint holds at most 256 // 16 of them, and the loop still opens its 200 files.
+    # Counted from the limit raised towards GUARD_SERVER_MAX_CONNECTIONS, it left 64 spare.
+    import subprocess
+    import sys
+
+    # Its stderr: asyncio's accept() failing while the loop holds every descriptor it has.
+    with subprocess.Popen([sys.executable, "-c", _TRAINER], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as child:
+        assert child.stdin is not None and child.stdout is not None
+        idle = []
+        try:
+            port = int(child.stdout.readline())
+            for _ in range(300):
+                try:
+                    idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                except OSError:
+                    break
+            threading.Event().wait(1.0)  # accepted, and those past the cap closed
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            opened = int(child.stdout.readline())
+        finally:
+            for sock in idle:
+                sock.close()
+            child.kill()
+    assert opened == 200

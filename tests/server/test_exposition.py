@@ -102,3 +102,32 @@ def test_a_scrape_not_taken_is_cut_at_the_write_timeout_and_frees_its_turn(
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         stalled.close()
     assert any("1 with an answer not taken in time" in r.getMessage() for r in caplog.records)
+
+
+def test_a_client_that_stops_reading_loses_its_turn_long_before_the_write_timeout(
+    make_batch: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Four turns (the default), four clients that ask for 12 MB and never read, the default
+    # 60 s write timeout: each used to hold its turn 60 s, and a real scrape got 503 for as
+    # long as they came back. Now a stalled answer is cut once no byte has moved for
+    # GUARD_SERVER_WRITE_STALL_S, and the scrape that waited gets its turn.
+    settings = Settings(port=0, scrape_wait_s=8.0, write_stall_s=1.0)
+    assert settings.write_timeout_s == 60 and settings.max_inflight_scrapes == 4
+    with EmbeddedServer(port=0, settings=settings) as server:
+        filled(server.store, make_batch, costly=1000)
+        stalled = []
+        for _ in range(4):
+            sock = socket.create_connection((server.host, server.port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            stalled.append(sock)
+        time.sleep(0.5)  # their scrapes have begun and hold every turn
+        started = time.monotonic()
+        scrape = httpx.get(f"{server.url}/metrics", timeout=60)
+        waited = time.monotonic() - started
+        assert scrape.status_code == 200 and waited < settings.write_timeout_s
+        for sock in stalled:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+    assert any("whose client stopped taking its answer" in r.getMessage()
+               for r in caplog.records)

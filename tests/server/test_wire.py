@@ -22,6 +22,7 @@ from guard_server.wire import (
     RUN_ID_PATTERN,
     ReportBatch,
     StepReport,
+    since,
 )
 
 
@@ -98,21 +99,23 @@ def test_non_finite_floats_are_rejected(wire_example: dict[str, Any], literal: s
     assert info.value.errors()[0]["loc"] == ("reports", 0, "loss")
 
 
-# Fields added to StepReport after its first release: optional, absent = not reported.
-ADDED_LATER = {"grad_norm", "grad_norm_top", "grad_norm_top_share", "logsumexp",
-               "logsumexp_max", "scaler_skipped_steps"}
+# Fields added to StepReport after its first release, each with the wire version of its
+# Since(N): optional, absent = not reported.
+ADDED_LATER = {"untrained_rows": 2, "untrained_tokens": 2, "grad_norm": 3, "grad_norm_top": 3,
+               "grad_norm_top_share": 3, "logsumexp": 3, "logsumexp_max": 3,
+               "scaler_skipped_steps": 3}
 
 
-def test_every_first_release_field_is_required_and_every_later_one_optional(
-        wire_example: dict[str, Any]) -> None:
+def test_every_field_of_the_first_release_is_required(wire_example: dict[str, Any]) -> None:
+    # A field added since (Since(N) > 1) is optional: an older guard's reports lack it.
     report = wire_example["reports"][0]
-    assert {n for n, f in StepReport.model_fields.items() if not f.is_required()} == ADDED_LATER
+    assert {n: since(f) for n, f in StepReport.model_fields.items() if not f.is_required()} \
+        == ADDED_LATER
     for field in report:
         doc = copy.deepcopy(wire_example)
         del doc["reports"][0][field]
-        if field in ADDED_LATER:
-            parsed = ReportBatch.model_validate(doc).reports[0]
-            assert getattr(parsed, field) is None  # not reported: never a zero
+        if since(StepReport.model_fields[field]) > 1:
+            assert getattr(ReportBatch.model_validate(doc).reports[0], field) is None
             continue
         with pytest.raises(ValidationError) as info:
             ReportBatch.model_validate(doc)

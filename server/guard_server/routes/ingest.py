@@ -15,6 +15,7 @@ from guard_server.errors import BodyTooLargeError, BusyError, CapacityError, Ste
 from guard_server.framing import ambiguous_framing
 from guard_server.limits import read_body
 from guard_server.responses import Accepted, Problem, ValidationProblem
+from guard_server.versions import read_known, unknown_name
 from guard_server.wire import ReportBatch
 
 __all__ = ["router"]
@@ -34,9 +35,18 @@ def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
     return node
 
 
+def _open(node: Any) -> Any:
+    # The route stores a batch without the fields it does not know (a newer guard's), so the
+    # document promises no "additionalProperties": false (docs/wire.md, "Versions").
+    if isinstance(node, dict):
+        return {k: _open(v) for k, v in node.items()
+                if not (k == "additionalProperties" and v is False)}
+    return [_open(v) for v in node] if isinstance(node, list) else node
+
+
 def _request_body() -> dict[str, Any]:
     schema = ReportBatch.model_json_schema()
-    body = _inline_refs(schema, schema.pop("$defs", {}))
+    body = _open(_inline_refs(schema, schema.pop("$defs", {})))
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
 
 
@@ -116,10 +126,12 @@ async def post_reports(
         store.rejections.count("disconnected")
         return Accepted(accepted=0)
     try:
-        batch = ReportBatch.model_validate_json(body)
+        batch, unknown = read_known(body)
     except ValidationError as exc:
         store.rejections.count("invalid")
         errors = exc.errors(include_url=False, include_context=False, include_input=False)
+        # Fields it does not know cost a batch nothing: the 422 names what is wrong with it.
+        errors = [e for e in errors if e["type"] != "extra_forbidden"]
         detail = [{"type": e["type"], "loc": ["body", *e["loc"]], "msg": e["msg"]} for e in errors]
         raise HTTPException(422, detail) from None
     try:
@@ -129,4 +141,6 @@ async def post_reports(
         raise HTTPException(409, f"reports[{exc.index}].step: {exc}") from None
     except CapacityError as exc:
         raise HTTPException(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    if unknown:  # counted once the batch is stored: a refused one was not read
+        store.unknown.count(unknown_name(loc) for loc in unknown)
     return Accepted(accepted=len(batch.reports))

@@ -1,4 +1,5 @@
-"""The real vocab from a saved tokenizer's files, without the tokenizers library."""
+"""The real vocab from a saved tokenizer's files: tokenizer.json as the tokenizers library reads
+it, the slow tokenizers' JSON files and a sentencepiece model."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from guard.vocab.tokenizer_files import load_json, tokenizer_vocab
 
 
 def test_fast_tokenizer_json_counts_the_model_and_its_added_tokens(tmp_path: Path) -> None:
-    (tmp_path / "tokenizer.json").write_text(json.dumps({
-        "model": {"vocab": {f"t{i}": i for i in range(50)}},
-        "added_tokens": [{"id": 50, "content": "<pad>"}, {"id": 60, "content": "<x>"}]}))
+    from tokenizers import Tokenizer, models
+
+    # 50 ids in the model, the last of them 60 (a hole), and two added tokens (ids 50, 51).
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in [*range(49), 60]}, unk_token="t0"))
+    tok.add_tokens(["<pad>", "<x>"])
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
     assert tokenizer_vocab(tmp_path) == (61, "tokenizer.json (50 ids in the model + 2 added tokens "
                                          "not among them)")
 
