@@ -17,7 +17,7 @@ from guard.policy import Policy
 from guard.policy_file import load_policy
 from guard.step.clock import Steps, check_boundaries
 from guard.step.optimizers import unwrap_optimizer
-from guard.vocab.discover import unwrap
+from guard.wrappers import unwrap
 
 __all__ = ["Arguments", "check_arguments"]
 

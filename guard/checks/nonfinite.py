@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from guard.checks import token_range
+from guard.checks import coverage, token_range
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, listed
 from guard.policy import Policy
 
@@ -40,20 +40,34 @@ def _stats(f: Nonfinite) -> Stats:
     return {"nonfinite": {k: f.counts[k] for k in ("logits", "hidden", "loss")}}
 
 
+def _why(f: Nonfinite, c: Context) -> str:
+    """The likely cause. Under the mask a label in [real, rows) has a -inf logit, so its
+    cross-entropy is +inf: ghost labels are named as the cause of a non-finite loss whatever
+    else the step saw, and labels the guard did not see are named as a suspect before the
+    weights are blamed."""
+    weights = (f"check the learning rate, the loss scale and the padding rows [{c.real}, "
+               f"{c.rows}) of the embedding / lm_head")
+    if not (f.counts["loss"] > 0 and c.policy.masks):
+        return weights
+    ids = c.glob[token_range.SPEC]
+    if ids.counts["label"] > 0 and c.real <= ids.max_id < c.rows:
+        rest = [_NAMES[k] for k in ("hidden", "logits") if f.counts[k] > 0]
+        return (f"the loss is +inf because {ids.counts['label']} labels are ghost ids in "
+                f"[{c.real}, {c.rows}) (highest {ids.max_id}), whose logits the mask sets to "
+                "-inf (see token_range): fix the labels, or give the real vocab that has these "
+                "ids" + (f"; for the {' and the '.join(rest)}, {weights}" if rest else ""))
+    if c.glob[coverage.SPEC].blind["labels"] > 0:
+        return (f"this step's labels were not checked (token_range is off, or they did not "
+                f"reach the guarded forward: see coverage), and a label in [{c.real}, "
+                f"{c.rows}) makes the loss +inf under the mask: look at the labels first; "
+                f"then {weights}")
+    return weights
+
+
 def _describe(f: Nonfinite, c: Context) -> Found:
     seen, total = listed({_NAMES[k]: n for k, n in f.counts.items()}, "{n} in the {k}", ", ")
     kind = "+".join(k for k, n in f.counts.items() if n > 0)
-    ids = c.glob[token_range.SPEC]
-    if kind == "loss" and c.policy.masks and ids.counts["label"] > 0 and \
-            c.real <= ids.max_id < c.rows:
-        # Only the loss, under the mask, with ghost labels: each has a -inf logit, so its
-        # cross-entropy is +inf. The labels are the cause, not the weights.
-        why = (f"the loss is +inf because {ids.counts['label']} labels are ghost ids in "
-               f"[{c.real}, {c.rows}) (highest {ids.max_id}), whose logits the mask sets to -inf "
-               "(see token_range): fix the labels, or give the real vocab that has these ids")
-    else:
-        why = (f"Check the learning rate, the loss scale and the padding rows [{c.real}, "
-               f"{c.rows}) of the embedding / lm_head")
+    why = _why(f, c)
     return Found(total, 0.0, kind=kind, text=(
         f"NaN/Inf values: {seen}; expected none; {c.next}. {why[0].upper()}{why[1:]}."))
 

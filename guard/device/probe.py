@@ -4,7 +4,6 @@ it at a boundary. Nothing in a hook reads a tensor to the host."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ from guard.checks import coverage, nonfinite, token_range
 from guard.device.flags import Flags
 from guard.device.fused import FusedHead
 from guard.device.hooks import Handle, hook
+from guard.device.labels import LabelsArg, labels_position
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.loss import LossShares, StepLoss
 from guard.device.ops import mask_padding, nonfinite_count, out_of_range_parts, within_rows
@@ -30,18 +30,6 @@ from guard.vocab.untrained import Untrained, find_untrained
 __all__ = ["Probe", "find_loss", "labels_position", "mask_hook"]
 
 log = logging.getLogger("guard")
-
-_LABEL_KWARGS = ("labels", "targets")
-
-
-def labels_position(model: nn.Module) -> int | None:
-    """Index in *args of a `labels` / `targets` parameter of model.forward, if any."""
-    try:
-        params = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    return next((i for i, name in enumerate(params) if name in _LABEL_KWARGS), None)
-
 
 class Probe:
     """Hooks that add reductions to the flags and feed the model's loss to the step's loss;
@@ -61,7 +49,7 @@ class Probe:
             self._counts if self._counts is not None and self._counts.watches(k) else None
             for k in ("input", "label"))
         self.logits = Logits(cfg, flags)
-        self._label_pos: int | None = None
+        self._labels = LabelsArg(None, "forward")  # set at install, from the model
         # This forward's final hidden states, and whether it called the head: a forward that
         # computes its loss from the head's weight without calling it (a fused
         # linear-cross-entropy kernel) is measured from the hidden states instead.
@@ -136,13 +124,17 @@ class Probe:
     def details(self) -> dict[str, Callable[[Reading, bool], str]]:
         """Per check, what the host adds to its message at a violation (the reader calls it
         with the reading and whether it was combined over ranks)."""
-        return {} if self.untrained is None else {"untrained_rows": self.untrained.detail}
+        out: dict[str, Callable[[Reading, bool], str]] = {
+            "coverage": lambda reading, combined: self._labels.looked_for()}
+        if self.untrained is not None:
+            out["untrained_rows"] = self.untrained.detail
+        return out
 
     # -- hooks -------------------------------------------------------------------------------
 
     def install(self, model: nn.Module, heads: Heads) -> list[Handle]:
         """Hooks for the enabled checks only: a check that is off costs nothing."""
-        self._label_pos = labels_position(model)
+        self._labels = LabelsArg.of(model)  # the module hooked: inside any wrapper
         self._head = heads.head_holder  # its weight: a fused loss is measured with it
         c = self.cfg
         handles: list[Handle] = [hook(model, self._model_pre, kind="forward_pre",
@@ -193,10 +185,7 @@ class Probe:
         checked = module.training and self.cfg.token_range
         if not (checked or fused or counts is not None):
             return None
-        key = next((k for k in _LABEL_KWARGS if k in kwargs), None)
-        pos = self._label_pos if key is None else None
-        labels = kwargs[key] if key is not None else (
-            args[pos] if pos is not None and len(args) > pos else None)
+        at, labels = self._labels.find(args, kwargs)
         if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
             return None
         if counts is not None:
@@ -215,10 +204,10 @@ class Probe:
             # nanoGPT -1), or a setting the message names.
             safe = within_rows(labels, self.cfg.real if fused else self.cfg.rows,
                                -100 if ignore is None else ignore, negative=False)
-        if key is not None:
-            return args, {**kwargs, key: safe}
-        if pos is not None:
-            return (*args[:pos], safe, *args[pos + 1:]), kwargs
+        if isinstance(at, str):
+            return args, {**kwargs, at: safe}
+        if isinstance(at, int):
+            return (*args[:at], safe, *args[at + 1:]), kwargs
         return None
 
     def _out_of_range(self, kind: token_range.Kind, ids: torch.Tensor,

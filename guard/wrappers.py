@@ -1,0 +1,153 @@
+"""The model inside whatever wrapper a framework hands the user, in one place (the optimizer
+side has its own: guard/step/optimizers.py). The guard hooks the module that a wrapper's
+forward calls with the user's arguments, so attaching to the wrapper or to the module inside
+is the same guard: the same hooks, and the labels' position read from that module's forward,
+not from a wrapper's `forward(*args, **kwargs)`.
+
+Known wrappers are named below by where their class lives, looked up in `sys.modules` and
+never imported (a library that is not loaded wrapped nothing). Accelerate's prepared model is
+one of them (DDP, FSDP, torch.compile) or the model itself, its forward patched in place with
+`functools.wraps`, which keeps the signature. A wrapper the guard does not know is found by
+what it does: its forward takes `(*args, **kwargs)`, it holds nothing of its own and its only
+child is the model. One that looks like a wrapper but holds the model among other children is
+refused: the guard cannot tell which child its forward calls."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+from guard.errors import AttachError
+
+__all__ = ["KNOWN", "Known", "unwrap", "unwrap_compiled"]
+
+log = logging.getLogger("guard")
+
+_DEPTH = 8  # wrappers inside wrappers: Fabric around DDP around a compiled module is three
+
+
+@dataclass(frozen=True)
+class Known:
+    """A framework's wrapper: its class, and the attribute holding the module its forward
+    calls with the arguments it was given."""
+
+    module: str  # where the class lives (a key of sys.modules)
+    name: str
+    inner: str
+
+
+KNOWN = (
+    Known("torch.nn.parallel.distributed", "DistributedDataParallel", "module"),
+    Known("torch.nn.parallel.data_parallel", "DataParallel", "module"),
+    Known("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel",
+          "module"),  # FSDP(1); FSDP2's fully_shard changes the module in place
+    Known("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod"),  # torch.compile
+    # fabric.setup(model): _forward_module is what forward calls (the model, or the strategy's
+    # DDP / FSDP around it), _original_module the model as given.
+    Known("lightning.fabric.wrappers", "_FabricModule", "_forward_module"),
+    Known("lightning_fabric.wrappers", "_FabricModule", "_forward_module"),
+    # PEFT: PeftModel.base_model is the tuner (LoraModel, ...) or, for prompt learning, the
+    # model; a tuner's forward calls its .model with the same arguments.
+    Known("peft.peft_model", "PeftModel", "base_model"),
+    Known("peft.tuners.tuners_utils", "BaseTuner", "model"),
+)
+
+
+def _known(model: object) -> tuple[Known, object] | None:
+    for k in KNOWN:
+        cls = getattr(sys.modules.get(k.module), k.name, None)
+        if isinstance(cls, type) and isinstance(model, cls):
+            return k, getattr(model, k.inner, None)
+    return None
+
+
+def _says_nothing(module: nn.Module) -> bool:
+    """Its forward names no parameter: `(*args, **kwargs)`, or nn.Module's unimplemented one."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
+def _forwarded_to(module: nn.Module) -> nn.Module | None:
+    """The child of an unknown module that does what a wrapper does, or None; an AttachError
+    for one that looks like a wrapper around several children."""
+    if not _says_nothing(module) or any(True for _ in module.parameters(recurse=False)) \
+            or any(True for _ in module.buffers(recurse=False)):
+        return None
+    children = list(module.named_children())
+    if len(children) == 1:
+        name, child = children[0]
+        log.info("guard: %s (forward(*args, **kwargs), one child) is taken for a wrapper: the "
+                 "guard hooks its child %r (%s)", type(module).__name__, name,
+                 type(child).__name__)
+        return child
+    every = set(module.parameters())
+    holders = [n for n, c in children if every and set(c.parameters()) == every]
+    if not holders:
+        return None  # a model whose parts are its children: hooked as it is
+    others = ", ".join(f"{n} ({type(c).__name__})" for n, c in children)
+    raise AttachError(
+        f"cannot attach through {type(module).__name__}: it looks like a wrapper (its forward "
+        f"takes (*args, **kwargs) and its child {holders[0]!r} holds all of its parameters) but "
+        f"it has other children too: {others}. The guard cannot tell which module its forward "
+        f"calls nor where the labels go. Attach to the model inside "
+        f"(guard.attach(wrapper.{holders[0]})), or give {type(module).__name__}.forward named "
+        "parameters (labels= / targets=) to have it guarded as the model")
+
+
+def unwrap(model: object) -> nn.Module:
+    """The module the guard hooks: `model` under every wrapper around it, in any nesting."""
+    names = []
+    for _ in range(_DEPTH):
+        names.append(type(model).__name__)
+        found = _known(model)
+        if found is not None:
+            known, inner = found
+            if known.name == "OptimizedModule":
+                inner = unwrap_compiled(model)
+            if not isinstance(inner, nn.Module):
+                raise AttachError(
+                    f"cannot reach the model inside {' > '.join(names)}: its .{known.inner} is "
+                    f"{type(inner).__name__}, not a torch.nn.Module; attach to the model itself")
+            model = inner
+            continue
+        module = unwrap_compiled(model)  # refuses a compiled function and a non-module
+        inner = _forwarded_to(module)
+        if inner is None:
+            return module
+        model = inner
+    raise AttachError(f"more than {_DEPTH} nested wrappers: {' > '.join(names)}")
+
+
+def unwrap_compiled(model: object) -> nn.Module:
+    """The original module of a torch.compile'd one: the guard hooks it, and the compiled
+    forward runs (and traces) those hooks. A module is returned as it is; anything else is an
+    AttachError."""
+    # Never imported: nothing was compiled.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        orig = model._modules.get("_orig_mod", model.__dict__.get("_orig_mod"))
+        if not isinstance(orig, nn.Module):
+            raise AttachError(
+                "cannot reach the original module of this torch.compile'd model (its _orig_mod "
+                f"is {type(orig).__name__}); attach to the module itself, before or after "
+                "compiling it: g = guard.attach(model); model = torch.compile(model)")
+        return orig
+    orig_fn = None if eval_frame is None else getattr(model, "_torchdynamo_orig_callable", None)
+    if orig_fn is not None:
+        owner = getattr(orig_fn, "__self__", None)
+        what = (f"the compiled {type(owner).__name__}.{orig_fn.__name__}"
+                if isinstance(owner, nn.Module) else f"a compiled {type(orig_fn).__name__}")
+        raise AttachError(
+            f"attach needs the model module, got {what} (a torch.compile'd function, not a "
+            "module: the guard cannot reach the module it calls); attach to the module and "
+            "compile the module: g = guard.attach(model); model = torch.compile(model)")
+    if not isinstance(model, nn.Module):
+        raise AttachError(f"attach needs a torch.nn.Module, got {type(model).__name__}")
+    return model
