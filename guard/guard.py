@@ -47,8 +47,12 @@ class Guard:
     def __init__(self, model: nn.Module, heads: Heads, policy: Policy, sizes: Sizes, *,
                  rank: int, optimizer: torch.optim.Optimizer | None = None,
                  steps: Steps = "auto", loss_shares: LossShares = "last",
-                 loss_scale: float = 1.0, tokenizer: Any = None) -> None:
+                 loss_scale: float = 1.0, tokenizer: Any = None,
+                 caller: nn.Module | None = None) -> None:
         self._model, self._heads, self._policy, self._sizes = model, heads, policy, sizes
+        # The module whose forward hooks see each call: the model, unless a wrapper calls its
+        # forward method past them (guard/wrappers.py).
+        self._caller = caller if caller is not None else model
         self._optimizer = optimizer
         self._probe = Probe.from_policy(policy, sizes, heads, rank=rank, tokenizer=tokenizer,
                                         model=model, loss_shares=loss_shares,
@@ -222,8 +226,8 @@ class Guard:
             raise error
         # Everything that can refuse first; what changes the model last (a refused attach
         # leaves weights, generation_config and hooks as they were).
-        self._handles += self._probe.install(self._model, self._heads)
-        self._handles += self._clock.install(self._model, self._optimizer)
+        self._handles += self._probe.install(self._model, self._heads, self._caller)
+        self._handles += self._clock.install(self._caller, self._optimizer)
         if self._episodes is not None and self._optimizer is not None:
             self._handles += self._episodes.install(self._probe)
         if (u := self._probe.untrained) and (said := u.attach_message(self.rank)):  # logged
@@ -283,8 +287,10 @@ def attach(
     sizes = resolve(heads, a.policy.vocab, vocab_size=vocab_size, tokenizer=tokenizer,
                     vocab_shard=vocab_shard, model=a.model)
     g = Guard(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer, steps=steps,
-              loss_shares=a.loss_shares, loss_scale=float(loss_scale), tokenizer=tokenizer)
+              loss_shares=a.loss_shares, loss_scale=float(loss_scale), tokenizer=tokenizer,
+              caller=a.caller)
     g._open(a.local_rank)
-    log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
+    inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
+    log.info("guard attached to %s / %s%s: %s", heads.embedding_name, heads.lm_head_name, inside,
              str(sizes.audit).splitlines()[0])
     return g

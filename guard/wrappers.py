@@ -23,7 +23,7 @@ from torch import nn
 
 from guard.errors import AttachError
 
-__all__ = ["KNOWN", "Known", "unwrap", "unwrap_compiled"]
+__all__ = ["KNOWN", "Known", "Unwrapped", "unwrap", "unwrap_call", "unwrap_compiled"]
 
 log = logging.getLogger("guard")
 
@@ -38,6 +38,9 @@ class Known:
     module: str  # where the class lives (a key of sys.modules)
     name: str
     inner: str
+    # Its forward may call the inner module's forward method rather than the module, past the
+    # module's hooks (PEFT's tuners up to 0.18: `self.model.forward(...)`); read from its code.
+    direct: bool = False
 
 
 KNOWN = (
@@ -53,16 +56,37 @@ KNOWN = (
     # PEFT: PeftModel.base_model is the tuner (LoraModel, ...) or, for prompt learning, the
     # model; a tuner's forward calls its .model with the same arguments.
     Known("peft.peft_model", "PeftModel", "base_model"),
-    Known("peft.tuners.tuners_utils", "BaseTuner", "model"),
+    Known("peft.tuners.tuners_utils", "BaseTuner", "model", direct=True),
 )
+
+
+@dataclass(frozen=True)
+class Unwrapped:
+    """The model under its wrappers, and the module whose forward hooks see each call."""
+
+    model: nn.Module  # what the guard watches: found, sized and registered
+    # The module whose hooks see the arguments and the output of each call: the model, unless
+    # a wrapper calls the model's forward method past its hooks (then that wrapper).
+    caller: nn.Module
+    wrappers: tuple[str, ...] = ()  # class names, outermost first
 
 
 def _known(model: object) -> tuple[Known, object] | None:
     for k in KNOWN:
         cls = getattr(sys.modules.get(k.module), k.name, None)
         if isinstance(cls, type) and isinstance(model, cls):
-            return k, getattr(model, k.inner, None)
+            return k, _inner(model, k.inner)
     return None
+
+
+def _inner(model: object, attr: str) -> object:
+    modules = getattr(model, "_modules", {})
+    if attr in modules:  # a registered submodule (DDP's .module); FSDP's is a property
+        return modules[attr]
+    try:
+        return getattr(model, attr, None)
+    except KeyError:  # OptimizedModule's __getattr__, for an _orig_mod that was deleted
+        return None
 
 
 def _says_nothing(module: nn.Module) -> bool:
@@ -101,28 +125,59 @@ def _forwarded_to(module: nn.Module) -> nn.Module | None:
         "parameters (labels= / targets=) to have it guarded as the model")
 
 
-def unwrap(model: object) -> nn.Module:
-    """The module the guard hooks: `model` under every wrapper around it, in any nesting."""
-    names = []
+def unwrap_call(model: object) -> Unwrapped:
+    """The module the guard hooks, `model` under every wrapper around it in any nesting, and
+    the one whose hooks see each call (an AttachError names a wrapper it cannot reach
+    through)."""
+    names: list[str] = []
+    caller: nn.Module | None = None
     for _ in range(_DEPTH):
-        names.append(type(model).__name__)
         found = _known(model)
-        if found is not None:
-            known, inner = found
-            if known.name == "OptimizedModule":
-                inner = unwrap_compiled(model)
-            if not isinstance(inner, nn.Module):
-                raise AttachError(
-                    f"cannot reach the model inside {' > '.join(names)}: its .{known.inner} is "
-                    f"{type(inner).__name__}, not a torch.nn.Module; attach to the model itself")
+        if found is None:
+            module = unwrap_compiled(model)  # refuses a compiled function and a non-module
+            inner = _forwarded_to(module)
+            if inner is None:
+                if not names:
+                    _warn_inside(module)
+                return Unwrapped(module, caller or module, tuple(names))
+            names.append(type(module).__name__)
             model = inner
             continue
-        module = unwrap_compiled(model)  # refuses a compiled function and a non-module
-        inner = _forwarded_to(module)
-        if inner is None:
-            return module
+        known, inner = found
+        names.append(type(model).__name__)
+        if known.name == "OptimizedModule":
+            inner = unwrap_compiled(model)
+        if not isinstance(inner, nn.Module):
+            raise AttachError(
+                f"cannot reach the model inside {' > '.join(names)}: its .{known.inner} is "
+                f"{type(inner).__name__}, not a torch.nn.Module; attach to the model itself")
+        if known.direct and _calls_forward_of(type(model)) and isinstance(model, nn.Module):
+            caller = model  # the innermost such wrapper: every module outside it is called
         model = inner
     raise AttachError(f"more than {_DEPTH} nested wrappers: {' > '.join(names)}")
+
+
+def unwrap(model: object) -> nn.Module:
+    """The module the guard watches: `model` under every wrapper around it."""
+    return unwrap_call(model).model
+
+
+def _warn_inside(model: nn.Module) -> None:
+    """Attached inside a wrapper that calls the model's forward past its hooks: said, since
+    called through that wrapper the guard would see neither the labels nor the loss."""
+    tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
+    if getattr(model, "peft_config", None) is not None and isinstance(tuner, type) \
+            and _calls_forward_of(tuner):
+        log.warning("guard: %s holds PEFT adapters, and this PEFT's tuner calls its forward "
+                    "method directly, past the guard's hooks: called through the PeftModel, "
+                    "the guard sees neither the labels nor the loss. Attach to the PeftModel "
+                    "(what get_peft_model returned) instead", type(model).__name__)
+
+
+def _calls_forward_of(cls: type) -> bool:
+    """Its forward looks up `.forward` on what it calls: `self.model.forward(*args)`."""
+    code = getattr(inspect.unwrap(cls.forward), "__code__", None)
+    return code is not None and "forward" in code.co_names
 
 
 def unwrap_compiled(model: object) -> nn.Module:

@@ -60,7 +60,8 @@ def _describe(f: Coverage, c: Context) -> Found | None:
     kinds = [k for k, slot in BLIND.items() if slot in c.crossed]
     if not kinds:
         return None
-    text = "; ".join(f"{' and '.join(c.watching[k])} saw {_blind(k, c.head, c.detail)}" for k in kinds)
+    text = "; ".join(f"{' and '.join(c.watching[k])} saw {_blind(k, c.head, c.detail)}"
+                     for k in kinds)
     worst = max(f.blind[k] for k in kinds)
     return Found(float(worst), 0.0, (
         f"blind in {worst} training step(s): {text}; {c.next}. Until then these checks "

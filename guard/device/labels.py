@@ -44,10 +44,15 @@ class LabelsArg:
     forward: str  # the forward, for messages: "GPT.forward(idx, targets)"
 
     @classmethod
-    def of(cls, model: nn.Module) -> LabelsArg:
-        params = _parameters(model)
+    def of(cls, caller: nn.Module, model: nn.Module | None = None) -> LabelsArg:
+        """The labels of the calls of `caller`, whose forward hands its arguments on to
+        `model`'s as they are when it names none of its own (a wrapper's *args, **kwargs)."""
+        params = _parameters(caller)
+        if model is not None and params is not None and all(
+                p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            caller, params = model, _parameters(model)
         shown = "(...)" if params is None else f"({_shown(params)})"
-        return cls(labels_position(model), f"{type(model).__name__}.forward{shown}")
+        return cls(labels_position(caller), f"{type(caller).__name__}.forward{shown}")
 
     def find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int | None,
                                                                           Any]:

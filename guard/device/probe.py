@@ -132,12 +132,16 @@ class Probe:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def install(self, model: nn.Module, heads: Heads) -> list[Handle]:
-        """Hooks for the enabled checks only: a check that is off costs nothing."""
-        self._labels = LabelsArg.of(model)  # the module hooked: inside any wrapper
+    def install(self, model: nn.Module, heads: Heads,
+                caller: nn.Module | None = None) -> list[Handle]:
+        """Hooks for the enabled checks only: a check that is off costs nothing. `caller`: the
+        module whose forward hooks see each call of `model` (a wrapper that calls the model's
+        forward method past its hooks; `model` itself otherwise)."""
+        caller = model if caller is None else caller
+        self._labels = LabelsArg.of(caller, model)  # the model's own forward, inside wrappers
         self._head = heads.head_holder  # its weight: a fused loss is measured with it
         c = self.cfg
-        handles: list[Handle] = [hook(model, self._model_pre, kind="forward_pre",
+        handles: list[Handle] = [hook(caller, self._model_pre, kind="forward_pre",
                                       compiled="eager", with_kwargs=True)]
         if c.token_range or self._input_counts is not None:
             handles += [hook(m, self._embedding_pre, kind="forward_pre") for m in heads.inputs]
@@ -151,7 +155,7 @@ class Probe:
             if c.mask and c.real_columns < c.columns and c.real_columns == c.real:
                 self.fused = FusedHead(model, heads, c.real_columns)
                 handles.append(self.fused)
-        handles.append(hook(model, self._model_post, kind="forward", compiled="eager"))
+        handles.append(hook(caller, self._model_post, kind="forward", compiled="eager"))
         return handles
 
     def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> Any:

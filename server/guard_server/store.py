@@ -23,6 +23,7 @@ from guard_server.errors import CapacityError, StepJumpError
 from guard_server.families import series_of
 from guard_server.rejections import Rejections, RejectReason
 from guard_server.settings import Settings
+from guard_server.trail import Point, Trail
 from guard_server.wire import Event, ReportBatch, StepReport
 
 __all__ = ["RankView", "Row", "Snapshot", "Store"]
@@ -49,6 +50,7 @@ class _Rank:
     series: int  # what `latest` puts on /metrics
     allowance: StepAllowance  # how far `latest.step` may still move ahead
     warned: bool = False  # two writers on this rank were logged (kept with the rank, no longer)
+    trail: Trail = field(default_factory=Trail)  # its recent points, for its page
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +111,8 @@ class Store:
         with self._lock:
             self._sweep(self._clock(), force=True)
             runs = self._runs.items() if run_id is None else [(run_id, self._runs.get(run_id, {}))]
-            ranks = [
-                RankView(rid, rank, s.latest, s.last_seen, s.finished_at, tuple(s.events))
-                for rid, by_rank in runs
-                for rank, s in by_rank.items()
-            ]
+            ranks = [RankView(rid, rank, s.latest, s.last_seen, s.finished_at, tuple(s.events))
+                     for rid, by_rank in runs for rank, s in by_rank.items()]
             total, held = self._reports_total, self._budget.bytes
         ranks.sort(key=lambda v: (v.run_id, v.rank))
         return Snapshot(ranks, total, self.rejections.snapshot(), held)
@@ -133,6 +132,16 @@ class Store:
         with self._lock:  # latest and last_seen of one update, not of two
             held = [(rid, rank, self._runs.get(rid, {}).get(rank)) for rid, rank in keys]
             return [(rid, rank, s.latest, s.last_seen) for rid, rank, s in held if s is not None]
+
+    def trails(self, run_id: str, ranks: Iterable[int]) -> dict[int, list[Point]]:
+        """The recent (step, loss, padding mass) of each of `ranks` of `run_id` held now."""
+        with self._lock:
+            held = self._runs.get(run_id, {})
+            return {r: held[r].trail.points() for r in ranks if r in held}
+
+    def now(self) -> float:
+        """The store's clock: what report ages are measured against."""
+        return self._clock()
 
     def totals(self) -> tuple[int, int]:
         """(reports accepted since start, estimated bytes of state held now)."""
@@ -200,6 +209,7 @@ class Store:
         state.nbytes, state.series = nbytes, series
         state.last_seen = now
         state.finished_at = now if state.latest.final else None
+        state.trail.extend(own)
         return None
 
     def _replace(self, batch: ReportBatch, own: list[StepReport], old: _Rank | None,
@@ -221,12 +231,13 @@ class Store:
         previous, warned = None, False
         if old is not None:
             previous, warned = old.attach_id, self._note_replaced(batch, old, latest)
-        self._runs.setdefault(batch.run_id, {})[batch.rank] = _Rank(
+        state = self._runs.setdefault(batch.run_id, {})[batch.rank] = _Rank(
             attach_id=latest.attach_id, previous=previous, latest=_without_events(latest),
             last_seen=now, finished_at=now if latest.final else None,
             events=deque(events, maxlen=keep), nbytes=nbytes, series=series,
             allowance=StepAllowance(float(self.settings.step_burst), now), warned=warned,
         )
+        state.trail.extend(own)
         return None
 
     def _note_replaced(self, batch: ReportBatch, old: _Rank, latest: StepReport) -> bool:
