@@ -58,7 +58,7 @@ class Guard:
                                         model=model, loss_shares=loss_shares,
                                         loss_scale=loss_scale)
         self._record = Record.from_policy(policy, sizes.audit, rank)
-        self._episodes = Episodes.from_policy(policy, model)
+        self._episodes = Episodes.from_policy(policy, self._caller)  # re-runs what was called
         rows = self._probe.rows
         names = Names(heads.lm_head_name, rows.names if rows is not None else "the padding rows")
         reader = Reader(policy, sizes, names, self._record, self._episodes, self._probe.repairs(),

@@ -56,7 +56,8 @@ def test_the_list_of_runs_shows_each_run_its_ranks_and_events(
     assert '<span class="halted">1 halted</span> (rank 1: token_range)' in html
     # The halted rank comes first, with why: its fail event's message.
     assert html.index('id="rank-1"') < html.index('id="rank-0"')
-    assert '<span class="halted">halted: token_range</span><div class="why">token_range on' in html
+    assert '<span class="halted">halted: token_range</span>' in html
+    assert 'class="why">token_range on rank 2 at step 5: &lt;script' in html
     assert "not reported" in html  # the grad norm: no report has one yet
     assert '<meta http-equiv="refresh" content="5">' in html
 

@@ -88,8 +88,9 @@ def _violations(reports: Iterable[StepReport]) -> tuple[str, ...]:
     total: dict[tuple[str, str], int] = {}
     for r in reports:
         for check, by_action in r.violations.items():
-            for action, n in by_action.items():
-                total[check, action] = total.get((check, action), 0) + n
+            for action, n in by_action.items():  # 0: enabled, never fired (not shown)
+                if n:
+                    total[check, action] = total.get((check, action), 0) + n
     return tuple(f"{c}/{a}: {n}" for (c, a), n in sorted(total.items()))
 
 
@@ -119,7 +120,9 @@ def _rank(view: RankView, now: float, trail: Sequence[Point] | None = None) -> R
     sparks = (None, None) if trail is None else (
         sparkline([(s, loss) for s, loss, _ in trail], "loss"),
         sparkline([(s, m) for s, _, m in trail], "padding mass"))
-    return RankRow(view.rank, r.step, age(now - view.last_seen), state, _num(r.loss), mass,
+    # null on the wire: none, or not finite (counted in nonfinite.loss)
+    loss = _num(r.loss, "non-finite" if r.nonfinite.loss and r.loss is None else "not reported")
+    return RankRow(view.rank, r.step, age(now - view.last_seen), state, loss, mass,
                    _num(grad), _counts(r.nonfinite.model_dump()),
                    _counts(r.out_of_range.model_dump()), _violations([r]), r.halted or "",
                    _why(view), *sparks)
