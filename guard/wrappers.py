@@ -23,7 +23,8 @@ from torch import nn
 
 from guard.errors import AttachError
 
-__all__ = ["KNOWN", "Known", "Unwrapped", "unwrap", "unwrap_call", "unwrap_compiled"]
+__all__ = ["KNOWN", "Known", "Unwrapped", "says_nothing", "unwrap", "unwrap_call",
+           "unwrap_compiled"]
 
 log = logging.getLogger("guard")
 
@@ -89,7 +90,7 @@ def _inner(model: object, attr: str) -> object:
         return None
 
 
-def _says_nothing(module: nn.Module) -> bool:
+def says_nothing(module: nn.Module) -> bool:
     """Its forward names no parameter: `(*args, **kwargs)`, or nn.Module's unimplemented one."""
     try:
         params = inspect.signature(module.forward).parameters.values()
@@ -101,7 +102,7 @@ def _says_nothing(module: nn.Module) -> bool:
 def _forwarded_to(module: nn.Module) -> nn.Module | None:
     """The child of an unknown module that does what a wrapper does, or None; an AttachError
     for one that looks like a wrapper around several children."""
-    if not _says_nothing(module) or any(True for _ in module.parameters(recurse=False)) \
+    if not says_nothing(module) or any(True for _ in module.parameters(recurse=False)) \
             or any(True for _ in module.buffers(recurse=False)):
         return None
     children = list(module.named_children())
@@ -143,17 +144,17 @@ def unwrap_call(model: object) -> Unwrapped:
             names.append(type(module).__name__)
             model = inner
             continue
-        known, inner = found
+        known, reached = found
         names.append(type(model).__name__)
         if known.name == "OptimizedModule":
-            inner = unwrap_compiled(model)
-        if not isinstance(inner, nn.Module):
+            reached = unwrap_compiled(model)
+        if not isinstance(reached, nn.Module):
             raise AttachError(
                 f"cannot reach the model inside {' > '.join(names)}: its .{known.inner} is "
-                f"{type(inner).__name__}, not a torch.nn.Module; attach to the model itself")
+                f"{type(reached).__name__}, not a torch.nn.Module; attach to the model itself")
         if known.direct and _calls_forward_of(type(model)) and isinstance(model, nn.Module):
             caller = model  # the innermost such wrapper: every module outside it is called
-        model = inner
+        model = reached
     raise AttachError(f"more than {_DEPTH} nested wrappers: {' > '.join(names)}")
 
 
@@ -176,7 +177,8 @@ def _warn_inside(model: nn.Module) -> None:
 
 def _calls_forward_of(cls: type) -> bool:
     """Its forward looks up `.forward` on what it calls: `self.model.forward(*args)`."""
-    code = getattr(inspect.unwrap(cls.forward), "__code__", None)
+    forward = getattr(cls, "forward", None)
+    code = None if forward is None else getattr(inspect.unwrap(forward), "__code__", None)
     return code is not None and "forward" in code.co_names
 
 

@@ -14,6 +14,7 @@ person types into it, and reads back what the page shows after load.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -186,10 +187,8 @@ class Chromium:
                 self._process.kill()
                 self._process.wait()
         for fd in (self._read, self._write):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._profile.cleanup()
 
     def __enter__(self) -> Chromium:

@@ -10,6 +10,8 @@ from typing import Any
 
 from torch import nn
 
+from guard.wrappers import says_nothing
+
 __all__ = ["NAMES", "LabelsArg", "labels_position"]
 
 NAMES = ("labels", "targets")  # HF and torchtune; nanoGPT and litgpt
@@ -31,8 +33,8 @@ def labels_position(model: nn.Module) -> int | None:
 
 
 def _shown(params: list[inspect.Parameter]) -> str:
-    star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
-    names = [star.get(p.kind, "") + p.name for p in params]
+    names = [("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "")
+             + p.name for p in params]
     return ", ".join(names[:_SHOWN] + (["..."] if len(names) > _SHOWN else []))
 
 
@@ -47,10 +49,9 @@ class LabelsArg:
     def of(cls, caller: nn.Module, model: nn.Module | None = None) -> LabelsArg:
         """The labels of the calls of `caller`, whose forward hands its arguments on to
         `model`'s as they are when it names none of its own (a wrapper's *args, **kwargs)."""
+        if model is not None and says_nothing(caller):
+            caller = model
         params = _parameters(caller)
-        if model is not None and params is not None and all(
-                p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-            caller, params = model, _parameters(model)
         shown = "(...)" if params is None else f"({_shown(params)})"
         return cls(labels_position(caller), f"{type(caller).__name__}.forward{shown}")
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from guard_server.wire import StepReport
 
-__all__ = ["TRAIL_POINTS", "Point", "Trail"]
+__all__ = ["Point", "TRAIL_POINTS", "Trail"]  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
 
 # A minute of reports at the push sink's one a second, and one sparkline 120 pixels wide at
 # two pixels a point: enough to see a trend or a spike, and 1.4 KiB a rank.

@@ -36,8 +36,8 @@ def _environment(**values: str) -> Iterator[None]:
 def train_and_push(url: str, token: str | None, *, steps: int = 40, ranks: int = 3,
                    halt_at: int = 25) -> None:
     """`ranks` guarded trainings (RANK 0, 1, ...) of `steps` steps each under the default
-    policy (the mask, padding rows repaired), pushing every read to `url`; the last rank meets a ghost label at
-    step `halt_at` and stops there (token_range, action fail)."""
+    policy (the mask, padding rows repaired), pushing every read to `url`; the last rank
+    meets a ghost label at step `halt_at` and stops there (token_range, action fail)."""
     for rank in range(ranks):
         model = nanogpt(garbage=3.0, seed=rank)  # padding rows with garbage: a mass to draw
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["HEIGHT", "WIDTH", "Spark", "sparkline"]
+__all__ = ["HEIGHT", "Spark", "WIDTH", "sparkline"]  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
 
 WIDTH, HEIGHT = 120, 24  # pixels: two a point of a full trail (guard_server/trail.py)
 _PAD = 2  # keeps the stroke inside the box at the extremes

@@ -13,13 +13,15 @@ from guard_server.store import RankView
 from guard_server.trail import Point
 from guard_server.wire import Event, StepReport
 
-__all__ = ["EVENTS_SHOWN", "RANKS_SHOWN", "EventRow", "RankRow", "RunRow", "age", "rank_rows",
-           "recent_events",
-           "run_rows"]
+__all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
+    "EVENTS_SHOWN", "EventRow", "RANKS_SHOWN", "RankRow", "RunRow", "age", "rank_rows",
+    "recent_events", "run_rows",
+]
 
 RANKS_SHOWN = 8  # per run on the list of runs: those that need a look first
 EVENTS_SHOWN = 32  # on a page, newest first: one report's worth (wire.MAX_EVENTS)
 _RECENT = 5  # per run on the list of runs
+WHY_SHOWN = 600  # characters of a halted rank's message in its row (whole in the events)
 
 
 @dataclass(frozen=True)
@@ -104,9 +106,14 @@ def recent_events(views: Iterable[RankView], keep: int) -> tuple[EventRow, ...]:
 
 
 def _why(view: RankView) -> str:
+    """The message of the fail that halted it, cut to WHY_SHOWN characters: a page of ranks
+    at the wire's limits would otherwise be ~20 KiB of escaped text a rank."""
     stop: Event | None = next((e for e in reversed(view.events) if e.action == "fail"
                                and e.check == view.latest.halted), None)
-    return "" if stop is None else stop.message
+    if stop is None:
+        return ""
+    text = stop.message
+    return text if len(text) <= WHY_SHOWN else text[:WHY_SHOWN] + " [...]"
 
 
 def _rank(view: RankView, now: float, trail: Sequence[Point] | None = None) -> RankRow:
