@@ -102,7 +102,7 @@ def screenshot(path: Path) -> None:
     from tests.server.page_runs import RUN_ID, train_and_push
 
     with EmbeddedServer(port=0, settings=Settings(port=0)) as server:
-        train_and_push(server.url, None)
+        train_and_push(server.url, None, steps=40, halt_at=25)
         with Chromium(width=1280, height=800) as browser:
             browser.open(f"{server.url}/runs/{RUN_ID}")
             browser.screenshot(path)

@@ -33,8 +33,8 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def train_and_push(url: str, token: str | None, *, steps: int = 40, ranks: int = 3,
-                   halt_at: int = 25) -> None:
+def train_and_push(url: str, token: str | None, *, steps: int = 20, ranks: int = 3,
+                   halt_at: int = 12) -> None:
     """`ranks` guarded trainings (RANK 0, 1, ...) of `steps` steps each under the default
     policy (the mask, padding rows repaired), pushing every read to `url`; the last rank
     meets a ghost label at step `halt_at` and stops there (token_range, action fail)."""

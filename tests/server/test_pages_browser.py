@@ -71,8 +71,8 @@ def test_the_list_of_runs_as_a_person_sees_it(server: EmbeddedServer, browser: C
     text: str = browser.evaluate("document.body.innerText")
     assert RUN_ID in text and "3 ranks (3 finished), 1 halted (rank 2: token_range)" in text
     rows: dict[str, Any] = browser.evaluate(ROWS)
-    assert rows["rank-2"].split("\t")[:3] == ["2", "halted: token_range", "25"]
-    assert rows["rank-0"].split("\t")[:3] == ["0", "finished", "40"]
+    assert rows["rank-2"].split("\t")[:3] == ["2", "halted: token_range", "12"]
+    assert rows["rank-0"].split("\t")[:3] == ["0", "finished", "20"]
     # The halted mark is drawn as its stylesheet says: the inline style the CSP allows applied.
     colour = browser.evaluate("getComputedStyle(document.querySelector('span.halted'))"
                               ".backgroundColor")
@@ -97,7 +97,7 @@ def test_a_runs_page_draws_each_ranks_sparklines(server: EmbeddedServer, browser
     box = browser.evaluate("document.querySelector('svg.spark polyline').getBBox().width")
     assert box > 100  # drawn across the sparkline's 120 pixels
     why = browser.evaluate("document.querySelector('td.why').innerText")
-    assert why.startswith("token_range on rank 2 at step 25: 1 label ids outside [0, 100)")
+    assert why.startswith("token_range on rank 2 at step 12: 1 label ids outside [0, 100)")
     browser.open(f"{server.url}/runs/hostile-run")
     assert browser.evaluate(RAN) == ["undefined", 0, 0, 0]
     assert browser.evaluate("document.title") == "hostile-run: logitguard"
