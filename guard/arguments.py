@@ -17,7 +17,7 @@ from guard.policy import Policy
 from guard.policy_file import load_policy
 from guard.step.clock import Steps, check_boundaries
 from guard.step.optimizers import unwrap_optimizer
-from guard.vocab.discover import unwrap
+from guard.wrappers import unwrap_call
 
 __all__ = ["Arguments", "check_arguments"]
 
@@ -27,7 +27,9 @@ log = logging.getLogger("guard")
 @dataclass(frozen=True)
 class Arguments:
     policy: Policy
-    model: nn.Module  # the module the guard hooks, inside DDP / compile wrappers
+    model: nn.Module  # the module the guard hooks, inside every wrapper (guard/wrappers.py)
+    caller: nn.Module  # the one whose forward hooks see each call: the model, mostly
+    wrappers: tuple[str, ...]  # the wrappers' class names, outermost first
     optimizer: Any  # the torch optimizer, inside accelerate's / Lightning's / DeepSpeed's
     loss_shares: LossShares
     rank: int
@@ -51,7 +53,7 @@ def check_arguments(model: object,
     fit. `loss_shares=None`: "mean" where the optimizer's wrapper accumulates gradients over
     micro-batches (accelerate's `gradient_accumulation_steps`), "last" otherwise."""
     pol = load_policy(policy)
-    module = unwrap(model)
+    inside = unwrap_call(model)
     unwrapped = unwrap_optimizer(optimizer)
     check_boundaries(pol, unwrapped.optimizer, steps)
     shares: LossShares = loss_shares or ("mean" if unwrapped.accumulation > 1 else "last")
@@ -60,4 +62,5 @@ def check_arguments(model: object,
         log.info("guard: %s accumulates gradients over %d micro-batches: the step's loss is "
                  "their mean (loss_shares='mean')", unwrapped.wrapper, unwrapped.accumulation)
     rank, local_rank = _rank_of_process()
-    return Arguments(pol, module, unwrapped.optimizer, shares, rank, local_rank)
+    return Arguments(pol, inside.model, inside.caller, inside.wrappers, unwrapped.optimizer,
+                     shares, rank, local_rank)

@@ -254,8 +254,10 @@ def attach(
                     vocab_shard=vocab_shard, model=a.model)
     g = Guard(Parts.build(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer,
                           steps=steps, loss_shares=a.loss_shares, loss_scale=float(loss_scale),
-                          tokenizer=tokenizer, scaled=scaler is not None and scaler.is_enabled()))
+                          tokenizer=tokenizer, scaled=scaler is not None and scaler.is_enabled(),
+                          caller=a.caller))
     g._open(a.local_rank)
-    log.info("guard attached to %s / %s: %s", heads.embedding_name, heads.lm_head_name,
+    inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
+    log.info("guard attached to %s / %s%s: %s", heads.embedding_name, heads.lm_head_name, inside,
              str(sizes.audit).splitlines()[0])
     return g

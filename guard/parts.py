@@ -44,24 +44,29 @@ class Parts:
     record: Record
     episodes: Episodes | None
     clock: StepClock
+    caller: nn.Module  # whose forward hooks see each call of the model: the model, mostly
     handles: list[Handle] = field(default_factory=list)  # every hook, in one list
 
     @classmethod
     def build(cls, model: nn.Module, heads: Heads, policy: Policy, sizes: Sizes, *, rank: int,
               optimizer: torch.optim.Optimizer | None = None, steps: Steps = "auto",
               loss_shares: LossShares = "last", loss_scale: float = 1.0,
-              tokenizer: Any = None, scaled: bool = False) -> Parts:
+              tokenizer: Any = None, scaled: bool = False,
+              caller: nn.Module | None = None) -> Parts:
+        """`caller`: the module whose forward hooks see each call of `model` (a wrapper that
+        calls the model's forward method past its hooks, guard/wrappers.py)."""
         probe = Probe.from_policy(policy, sizes, heads, rank=rank, loss_shares=loss_shares,
                                   loss_scale=loss_scale)
         # The probe, the reader and the guard share the states: one object per check.
         states = attach_states(Attaching(policy, probe.flags, heads, sizes, model, rank,
-                                         tokenizer, optimizer, scaled))
+                                         tokenizer, optimizer, scaled, caller))
         record = Record.from_policy(policy, sizes.audit, rank)
-        episodes = Episodes.from_policy(policy, model)
+        caller = model if caller is None else caller
+        episodes = Episodes.from_policy(policy, caller)  # re-runs what was called
         reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)
         clock = StepClock.from_policy(policy, probe, reader, optimizer=optimizer, steps=steps)
         return cls(model, heads, policy, sizes, optimizer, probe, states, record, episodes,
-                   clock)
+                   clock, caller)
 
     def install(self) -> None:
         """alignment and vocab first: `fail` stops the job before any hook goes on. Everything
@@ -72,8 +77,8 @@ class Parts:
         self.record.add(verdict)
         if (error := verdict.error()) is not None:
             raise error
-        self.handles += self.probe.install(self.model, self.heads, self.states)
-        self.handles += self.clock.install(self.model, self.optimizer)
+        self.handles += self.probe.install(self.model, self.heads, self.states, self.caller)
+        self.handles += self.clock.install(self.caller, self.optimizer)
         if self.episodes is not None and self.optimizer is not None:
             self.handles += self.episodes.install(self.probe)
         for state in self.states:  # what each found, in the report and the log

@@ -71,7 +71,7 @@ def test_an_unknown_option_is_refused_before_anything_runs(tmp_path: Path) -> No
 
 
 def test_each_phase_is_said_as_it_starts(tmp_path: Path) -> None:
-    root, env = tree(tmp_path, ["prometheus", "promtool", "amtool"])
+    root, env = tree(tmp_path, ["prometheus", "promtool", "amtool", "chromium"])
     done = bootstrap(root, env, "--dev")
     assert done.returncode == 0, done.stderr
     said = [line for line in done.stderr.splitlines() if line.startswith("bootstrap: ")]
@@ -79,7 +79,7 @@ def test_each_phase_is_said_as_it_starts(tmp_path: Path) -> None:
         "bootstrap: using the virtual environment in .venv",
         "bootstrap: installing torch==2.13.0 (CPU build; the longest phase)",
         "bootstrap: installing logitguard with its dev extras (pip install -e .)",
-        "bootstrap: prometheus, promtool and amtool are installed",
+        "bootstrap: prometheus, promtool, amtool and chromium are installed",
         "bootstrap: ready (torch 0+stand-in)",
     ]
     assert [c.split(" install ")[-1] for c in calls(root)] == [
@@ -87,9 +87,10 @@ def test_each_phase_is_said_as_it_starts(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("present", "installed"), [
-    (["prometheus", "promtool"], "prometheus-alertmanager"),  # Prometheus there, amtool not
-    (["amtool"], "prometheus"),
-    ([], "prometheus prometheus-alertmanager"),
+    (["prometheus", "promtool", "chromium"], "prometheus-alertmanager"),  # amtool missing
+    (["amtool", "chromium"], "prometheus"),
+    (["prometheus", "promtool", "amtool"], "chromium"),
+    ([], "prometheus prometheus-alertmanager chromium"),
 ])
 def test_dev_installs_the_package_of_each_missing_tool(tmp_path: Path, present: list[str],
                                                        installed: str) -> None:

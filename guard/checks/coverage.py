@@ -35,8 +35,9 @@ def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
     return {BLIND[kind]: 0.0 for kind in setup.watching}
 
 
-def _blind(kind: SeenKind, head: str) -> str:
-    """What was not seen, the likely cause and the fix, per kind of data."""
+def _blind(kind: SeenKind, head: str, looked: str) -> str:
+    """What was not seen, the likely cause and the fix, per kind of data; `looked`: what the
+    guard looked for in the forward's arguments, and the ways to give labels (the probe's)."""
     return {
         "logits": f"no logits: {head} was not called in the training forward and no final "
                   "norm was found to measure its input from. Fix: call the head module, or "
@@ -46,10 +47,9 @@ def _blind(kind: SeenKind, head: str) -> str:
                   "embedded by F.embedding on the weight), so ghost input ids go unseen; labels "
                   "are still checked. Fix: pass input_ids to the model, or embedding= the "
                   "module that embeds them",
-        "labels": "no labels: no labels= / targets= argument reached the model's forward (the "
-                  "loss is computed outside the model: HF Trainer with label_smoothing_factor "
-                  "or compute_loss_func, or a wrapper that hides the signature); input ids are "
-                  "still checked. Fix: pass the labels to the model's forward",
+        "labels": f"no labels: {looked}; input ids are still checked" if looked else
+                  "no labels: no labels= / targets= argument reached the model's forward; "
+                  "input ids are still checked. Fix: pass the labels to the model's forward",
         "loss": "no loss: the forward returned none (HF .loss, a (logits, loss) tuple, a "
                 "dict's 'loss' or a 0-dim tensor) and no g.step(loss) gave one. Fix: return "
                 "the loss from forward, or call g.step(loss) each step",
@@ -60,7 +60,8 @@ def _describe(f: Coverage, c: Context) -> Found | None:
     kinds = [k for k, slot in BLIND.items() if slot in c.crossed]
     if not kinds:
         return None
-    text = "; ".join(f"{' and '.join(c.watching[k])} saw {_blind(k, c.head)}" for k in kinds)
+    text = "; ".join(f"{' and '.join(c.watching[k])} saw {_blind(k, c.head, c.detail)}"
+                     for k in kinds)
     worst = max(f.blind[k] for k in kinds)
     return Found(float(worst), 0.0, (
         f"blind in {worst} training step(s): {text}; {c.next}. Until then these checks "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from guard.checks import token_range
+from guard.checks import coverage, token_range
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats
 from guard.policy import Policy
 from guard_server.wire import TENSORS, TensorKind
@@ -25,6 +25,8 @@ GRAD_SEEN = Slot("nonfinite.grad_seen", "max")  # 1 when the window's gradients 
 SLOTS: Mapping[TensorKind, Slot] = {"hidden": HIDDEN, "logits": LOGITS, "loss": LOSS,
                                     "grad": GRAD}
 FORWARD: tuple[TensorKind, ...] = ("hidden", "logits", "loss")
+_TENSOR: Mapping[TensorKind, str] = {"hidden": "lm_head input", "logits": "real-vocab logits",
+                                     "loss": "loss", "grad": "gradients"}
 _NAMES: Mapping[TensorKind, str] = {"hidden": "{n} positions in the lm_head input",
                                     "logits": "{n} in the real-vocab logits",
                                     "loss": "{n} in the loss",
@@ -58,33 +60,48 @@ _BACKWARD = ("an op whose gradient is infinite where its value is not (sqrt or p
              "extreme logits")
 
 
+def _weights(c: Context) -> str:
+    return (f"check the learning rate, the loss scale and the padding rows [{c.real}, "
+            f"{c.rows}) of the embedding / lm_head")
+
+
+def _why(f: Nonfinite, c: Context) -> str:
+    """The likely cause. Under the mask a label in [real, rows) has a -inf logit, so its
+    cross-entropy is +inf: ghost labels are named as the cause of a non-finite loss whatever
+    else the step saw, and labels the guard did not see are named as a suspect before the
+    weights are blamed. Gradients alone went non-finite in the backward."""
+    parts = [k for k, n in f.counts.items() if n > 0]
+    if parts == ["grad"]:
+        # The forward of the window was finite: the gradients went non-finite in the backward.
+        named = f": {c.detail}" if c.detail else ""
+        return (f"the forward was finite (the lm_head input, the sampled logits and the loss), "
+                f"so it was born in the backward{named}. It is usually {_BACKWARD}. To find the "
+                "op, run one step under torch.autograd.detect_anomaly(), which names the "
+                "backward that made it (docs/nonfinite.md)")
+    grads = (f"; the gradients followed the forward: {c.detail}"
+             if "grad" in parts and c.detail else "")
+    if not (f.counts.get("loss", 0) > 0 and c.policy.masks):
+        return _weights(c) + grads
+    ids = c.glob[token_range.SPEC]
+    if ids.counts["label"] > 0 and c.real <= ids.max_id < c.rows:
+        rest = [_TENSOR[k] for k in ("hidden", "logits") if f.counts[k]]
+        return (f"the loss is +inf because {ids.counts['label']} labels are ghost ids in "
+                f"[{c.real}, {c.rows}) (highest {ids.max_id}), whose logits the mask sets to "
+                "-inf (see token_range): fix the labels, or give the real vocab that has these "
+                "ids" + (f"; for the {' and the '.join(rest)}, {_weights(c)}" if rest else ""))
+    if c.glob[coverage.SPEC].blind["labels"] > 0:
+        return (f"this step's labels were not checked (token_range is off, or they did not "
+                f"reach the guarded forward: see coverage), and a label in [{c.real}, "
+                f"{c.rows}) makes the loss +inf under the mask: look at the labels first; "
+                f"then {_weights(c)}{grads}")
+    return _weights(c) + grads
+
+
 def _describe(f: Nonfinite, c: Context) -> Found:
     parts = {k: n for k, n in f.counts.items() if n > 0}
     seen = ", ".join(_NAMES[k].format(n=n) for k, n in parts.items())
-    total = float(sum(parts.values()))
-    kind = "+".join(parts)
-    ids = c.glob[token_range.SPEC]
-    if kind == "loss" and c.policy.masks and ids.counts["label"] > 0 and \
-            c.real <= ids.max_id < c.rows:
-        # Only the loss, under the mask, with ghost labels: each has a -inf logit, so its
-        # cross-entropy is +inf. The labels are the cause, not the weights.
-        why = (f"the loss is +inf because {ids.counts['label']} labels are ghost ids in "
-               f"[{c.real}, {c.rows}) (highest {ids.max_id}), whose logits the mask sets to -inf "
-               "(see token_range): fix the labels, or give the real vocab that has these ids")
-    elif kind == "grad":
-        # The forward of the window was finite: the gradients went non-finite in the backward.
-        named = f": {c.detail}" if c.detail else ""
-        why = (f"the forward was finite (the lm_head input, the sampled logits and the loss), so "
-               f"it was "
-               f"born in the backward{named}. It is usually {_BACKWARD}. To find the op, run "
-               "one step under torch.autograd.detect_anomaly(), which names the backward that "
-               "made it (docs/nonfinite.md)")
-    else:
-        why = (f"Check the learning rate, the loss scale and the padding rows [{c.real}, "
-               f"{c.rows}) of the embedding / lm_head")
-        if "grad" in parts and c.detail:
-            why += f"; the gradients followed the forward: {c.detail}"
-    return Found(total, 0.0, kind=kind, text=(
+    why = _why(f, c)
+    return Found(float(sum(parts.values())), 0.0, kind="+".join(parts), text=(
         f"NaN/Inf values: {seen}; expected none; {c.next}. {why[0].upper()}{why[1:]}."))
 
 

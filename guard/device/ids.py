@@ -1,11 +1,11 @@
 """The token ids of a training forward, as the hooks see them: the input ids, in a pre-hook on
 every module that embeds with the embedding's weight, and the labels, in the model's pre-hook
-(`labels=` / `targets=`, or their position in forward's signature). token_range checks both;
-a stateful check may count them too (untrained_rows: `IdWatcher`). Device ops only."""
+(`labels=` / `targets=`, or their position in its forward: guard/device/labels.py). token_range
+checks both; a stateful check may count them too (untrained_rows: `IdWatcher`). Device ops
+only."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -15,22 +15,12 @@ from torch import nn
 from guard.checks import coverage, token_range
 from guard.device.flags import Flags
 from guard.device.hooks import Handle, hook
+from guard.device.labels import LabelsArg
 from guard.device.logits import ProbeConfig
 from guard.device.ops import out_of_range_parts, within_rows
 from guard_server.wire import ID_KINDS, IdKind
 
-__all__ = ["IdHooks", "IdWatcher", "labels_position"]
-
-_LABEL_KWARGS = ("labels", "targets")
-
-
-def labels_position(model: nn.Module) -> int | None:
-    """Index in *args of a `labels` / `targets` parameter of model.forward, if any."""
-    try:
-        params = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    return next((i for i, name in enumerate(params) if name in _LABEL_KWARGS), None)
+__all__ = ["IdHooks", "IdWatcher"]
 
 
 class IdWatcher(Protocol):
@@ -49,12 +39,14 @@ class IdHooks:
         self.cfg, self.flags = cfg, flags
         # Per kind of id, the watchers that count it (none: the hook asks nothing of them).
         self._watchers = {k: tuple(w for w in watchers if w.watches(k)) for k in ID_KINDS}
-        self.label_position: int | None = None  # set at install, from the model's forward
+        self.labels_arg = LabelsArg(None, "forward")  # set at install, from the model
 
-    def install(self, model: nn.Module, inputs: Sequence[nn.Module]) -> list[Handle]:
+    def install(self, caller: nn.Module, model: nn.Module,
+                inputs: Sequence[nn.Module]) -> list[Handle]:
         """A pre-hook on each module of `inputs` (those that embed with the embedding's weight)
-        where the input ids are needed; the labels are the model pre-hook's (`labels`)."""
-        self.label_position = labels_position(model)
+        where the input ids are needed; the labels are the model pre-hook's (`labels`), found
+        in the calls of `caller` by `model`'s own forward when `caller` names none."""
+        self.labels_arg = LabelsArg.of(caller, model)
         if not (self.cfg.token_range or self._watchers["input"]):
             return []
         return [hook(m, self._embedding_pre, kind="forward_pre") for m in inputs]
@@ -87,10 +79,7 @@ class IdHooks:
         checked = training and self.cfg.token_range
         if not (checked or fused or counting):
             return None
-        key = next((k for k in _LABEL_KWARGS if k in kwargs), None)
-        pos = self.label_position if key is None else None
-        labels = kwargs[key] if key is not None else (
-            args[pos] if pos is not None and len(args) > pos else None)
+        at, labels = self.labels_arg.find(args, kwargs)
         if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
             return None
         for w in counting:
@@ -109,10 +98,10 @@ class IdHooks:
             # nanoGPT -1), or a setting the message names.
             safe = within_rows(labels, self.cfg.real if fused else self.cfg.rows,
                                -100 if ignore is None else ignore, negative=False)
-        if key is not None:
-            return args, {**kwargs, key: safe}
-        if pos is not None:
-            return (*args[:pos], safe, *args[pos + 1:]), kwargs
+        if isinstance(at, str):
+            return args, {**kwargs, at: safe}
+        if isinstance(at, int):
+            return (*args[:at], safe, *args[at + 1:]), kwargs
         return None
 
     def _out_of_range(self, kind: IdKind, ids: torch.Tensor, ignore_index: int | None) -> None:

@@ -130,17 +130,20 @@ class Probe:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def install(self, model: nn.Module, heads: Heads,
-                states: Sequence[Watched] = ()) -> list[Handle]:
+    def install(self, model: nn.Module, heads: Heads, states: Sequence[Watched] = (),
+                caller: nn.Module | None = None) -> list[Handle]:
         """Hooks for the enabled checks only (a check that is off costs nothing), and the
-        stateful checks' `states`, which count ids in the id hooks and read before each read."""
+        stateful checks' `states`, which count ids in the id hooks and read before each read.
+        `caller`: the module whose forward hooks see each call of `model` (a wrapper that
+        calls the model's forward method past its hooks; `model` itself otherwise)."""
+        caller = model if caller is None else caller
         self.states = tuple(states)
         self.ids = IdHooks(self.cfg, self.flags, self.states)
         self._head = heads.head_holder  # its weight: a fused loss is measured with it
         c = self.cfg
-        handles: list[Handle] = [hook(model, self._model_pre, kind="forward_pre",
+        handles: list[Handle] = [hook(caller, self._model_pre, kind="forward_pre",
                                       compiled="eager", with_kwargs=True)]
-        handles += self.ids.install(model, heads.inputs)
+        handles += self.ids.install(caller, model, heads.inputs)
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
         if c.padding_mass or c.mask or c.nonfinite:
@@ -151,7 +154,7 @@ class Probe:
             if c.mask and c.real_columns < c.columns and c.real_columns == c.real:
                 self.fused = FusedHead(model, heads, c.real_columns)
                 handles.append(self.fused)
-        handles.append(hook(model, self._model_post, kind="forward", compiled="eager"))
+        handles.append(hook(caller, self._model_post, kind="forward", compiled="eager"))
         return handles
 
     def _model_pre(self, module: nn.Module, args: tuple[Any, ...],

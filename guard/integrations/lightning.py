@@ -33,9 +33,12 @@ def guarded_module(pl_module: nn.Module, embedding: nn.Module | None = None,
     """The smallest submodule holding both the embedding and the lm_head: the model that
     `training_step` calls, whose forward sees the labels and returns the loss."""
     heads = guard.find_heads(pl_module, embedding=embedding, lm_head=lm_head)
+    # Their names in pl_module itself: find_heads names them inside any wrapper it unwraps
+    # (a LightningModule whose only child is the model is one).
+    names = {id(m): n for n, m in reversed(list(pl_module.named_modules()))}
+    emb, head = names.get(id(heads.embedding), ""), names.get(id(heads.lm_head), "")
     prefix: list[str] = []
-    for a, b in zip(heads.embedding_name.split(".")[:-1], heads.lm_head_name.split(".")[:-1],
-                    strict=False):
+    for a, b in zip(emb.split(".")[:-1], head.split(".")[:-1], strict=False):
         if a != b:
             break
         prefix.append(a)

@@ -36,6 +36,9 @@ class Attaching:
     tokenizer: Any = None  # as given to attach (names ids in messages)
     optimizer: torch.optim.Optimizer | None = None  # the torch optimizer whose step is hooked
     scaled: bool = False  # a GradScaler skips the updates whose gradients are not finite
+    # The module whose forward hooks see each call of `model`: a wrapper that calls the
+    # model's forward method past its hooks (guard/wrappers.py); None: the model itself.
+    caller: nn.Module | None = None
 
 
 @dataclass(frozen=True)

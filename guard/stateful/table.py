@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from guard.checks import CHECKS
+from guard.stateful.coverage import CoverageState
 from guard.stateful.nonfinite import GradState
 from guard.stateful.padding_rows import PaddingRowsState
 from guard.stateful.state import Attaching, CheckState
@@ -21,6 +22,7 @@ STATEFUL: Mapping[CheckName, Callable[[Attaching], CheckState | None]] = {
     "untrained_rows": UntrainedRowsState.attach,
     "nonfinite": GradState.attach,
     "padding_rows": PaddingRowsState.attach,
+    "coverage": CoverageState.attach,
 }
 
 

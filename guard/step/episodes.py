@@ -29,9 +29,10 @@ class _OnDevice(Protocol):
 class Episodes:
     """Annotates nonfinite violations with the module; state across reads of one run."""
 
-    def __init__(self, model: nn.Module, action: Action) -> None:
+    def __init__(self, model: nn.Module, action: Action, masks: bool = False) -> None:
         self.model = model
         self.action = action  # the policy's nonfinite action, for the notes
+        self.masks = masks  # padding columns at -inf: a ghost label's loss is +inf
         self.root = type(model).__name__
         self.inputs: Inputs | None = None
         self._armed: Localiser | None = None
@@ -43,7 +44,7 @@ class Episodes:
         """None where nonfinite is off or `localise: false`: nothing is kept, nothing armed."""
         if not (policy.enabled("nonfinite") and policy.checks.nonfinite.localise):
             return None
-        return cls(model, policy.action("nonfinite"))
+        return cls(model, policy.action("nonfinite"), policy.masks)
 
     def install(self, on: _OnDevice) -> list[Handle]:
         """Keep each training forward's inputs for a re-run (only useful where reads are
@@ -78,9 +79,12 @@ class Episodes:
             return verdict, note
         self._open = True
         v = found[i]
+        if v.kind == "loss" and self.masks and any(
+                o.check == "token_range" and "label" in o.kind for o in found):
+            return verdict, note  # ghost labels explain it (its message says so): no module
         if v.kind == "grad":
             # The forward was finite: a re-run of it finds nothing; the gradients' check named
-            # the parameters (guard/stateful/grads.py).
+            # the parameters (guard/stateful/nonfinite.py).
             return verdict, note
         if rerun_now and self.inputs is not None:
             finding = rerun(self.model, self.inputs)

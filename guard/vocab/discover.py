@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import cast
 
 from torch import nn
 
 from guard.errors import AttachError
+from guard.wrappers import unwrap
 
-__all__ = ["Heads", "discover", "find_heads", "unwrap", "unwrap_compiled"]
+__all__ = ["Heads", "discover", "find_heads"]
 
 # Names used by nanoGPT, HF, Llama-style and Megatron-style code for the output projection.
 _HEAD_NAMES = ("lm_head", "output", "head", "output_layer", "embed_out", "cls")
@@ -169,63 +169,6 @@ def _sharing(model: nn.Module, emb: nn.Module, head: nn.Module) -> tuple[nn.Modu
         return ()
     return tuple(m for m in model.modules() if isinstance(m, nn.Embedding)
                  and m is not emb and m is not head and m.weight is w)
-
-
-def _wrapped(model: object) -> nn.Module | None:
-    """The module inside a DDP / DataParallel / FSDP(1) wrapper (their forward calls it with
-    the same arguments), or None."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel | DataParallel):
-        inner = model.module
-        return inner if isinstance(inner, nn.Module) else None
-    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
-    if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel):
-        inner = model.module
-        return inner if isinstance(inner, nn.Module) else None
-    return None
-
-
-def unwrap(model: object) -> nn.Module:
-    """The model module under torch.compile, DDP, DataParallel and FSDP(1) wrappers, in any
-    nesting: the guard hooks it, so attaching to the wrapper or to the module is the same.
-    FSDP2's fully_shard and model.compile() change the module in place: nothing to unwrap."""
-    for _ in range(8):
-        inner = _wrapped(model)
-        if inner is None:
-            inner = unwrap_compiled(model)
-            if inner is model:
-                return inner
-        model = inner
-    raise AttachError(f"more than 8 nested wrappers around {type(model).__name__}")
-
-
-def unwrap_compiled(model: object) -> nn.Module:
-    """The original module of a torch.compile'd one: the guard hooks it, and the compiled
-    forward runs (and traces) those hooks. A module is returned as it is; anything else is an
-    AttachError."""
-    # Never imported: nothing was compiled.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
-        orig = model._modules.get("_orig_mod", model.__dict__.get("_orig_mod"))
-        if not isinstance(orig, nn.Module):
-            raise AttachError(
-                "cannot reach the original module of this torch.compile'd model (its _orig_mod "
-                f"is {type(orig).__name__}); attach to the module itself, before or after "
-                "compiling it: g = guard.attach(model); model = torch.compile(model)")
-        return orig
-    orig_fn = None if eval_frame is None else getattr(model, "_torchdynamo_orig_callable", None)
-    if orig_fn is not None:
-        owner = getattr(orig_fn, "__self__", None)
-        what = (f"the compiled {type(owner).__name__}.{orig_fn.__name__}"
-                if isinstance(owner, nn.Module) else f"a compiled {type(orig_fn).__name__}")
-        raise AttachError(
-            f"attach needs the model module, got {what} (a torch.compile'd function, not a "
-            "module: the guard cannot reach the module it calls); attach to the module and "
-            "compile the module: g = guard.attach(model); model = torch.compile(model)")
-    if not isinstance(model, nn.Module):
-        raise AttachError(f"attach needs a torch.nn.Module, got {type(model).__name__}")
-    return model
 
 
 def discover(

@@ -15,9 +15,10 @@ from torch import nn
 
 from guard.errors import AttachError
 from guard.policy import VocabSection
-from guard.vocab.discover import Heads, discover, unwrap
+from guard.vocab.discover import Heads, discover
 from guard.vocab.real import GIVE_IT, Real, find_real
 from guard.vocab.sizes import Audit, audit_sizes, shard_sizes
+from guard.wrappers import unwrap
 
 __all__ = ["Sizes", "audit", "resolve"]
 

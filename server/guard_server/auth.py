@@ -1,18 +1,32 @@
 """Bearer-token checks, in constant time: on report pushes (the ingest route) and, when a
-token is set, on the reads that show run names, losses and messages (a middleware)."""
+token is set, on the reads that show run names, losses and messages (a middleware).
+
+A browser sends the token as HTTP Basic credentials, the token as the password: the server's
+401 on a page asks for them (`WWW-Authenticate: Basic`), the browser shows its login dialog
+and then sends them in the Authorization header with each request, never in the URL, so no
+access log, proxy log or browser history holds the token, and no script is needed."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from pydantic import SecretStr
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["ReadAuth", "authorized"]
+__all__ = ["PAGES", "ReadAuth", "authorized", "is_page", "read_authorized"]
 
 # Reads that need the token when one is set. /healthz and /readyz stay open for probes.
 _READS = ("/v1/runs", "/docs", "/redoc", "/openapi.json")
+# The HTML pages: "/" itself (not every path starts with it: only this one) and /runs/...
+PAGES = ("/runs/",)
+
+
+def _same(presented: str, token: SecretStr) -> bool:
+    # compare_digest on bytes: its time depends on the lengths only, never on where they differ.
+    return hmac.compare_digest(presented.encode(), token.get_secret_value().encode())
 
 
 def authorized(header: str | None, token: SecretStr | None) -> bool:
@@ -20,10 +34,25 @@ def authorized(header: str | None, token: SecretStr | None) -> bool:
     if token is None:
         return True
     scheme, _, presented = (header or "").partition(" ")
-    # compare_digest on bytes: its time depends on the lengths only, never on where they differ.
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        presented.strip().encode(), token.get_secret_value().encode()
-    )
+    return scheme.lower() == "bearer" and _same(presented.strip(), token)
+
+
+def read_authorized(header: str | None, token: SecretStr | None) -> bool:
+    """`authorized`, or Basic credentials whose password is the token (any user name): what a
+    browser sends after its login dialog."""
+    scheme, _, presented = (header or "").partition(" ")
+    if token is None or scheme.lower() != "basic":
+        return authorized(header, token)
+    try:
+        pair = base64.b64decode(presented.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return False
+    _, colon, password = pair.partition(":")
+    return bool(colon) and _same(password, token)
+
+
+def is_page(path: str) -> bool:
+    return path == "/" or path.startswith(PAGES)
 
 
 class ReadAuth:
@@ -40,10 +69,12 @@ class ReadAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on, unless it reads a protected path without the token."""
-        if scope["type"] == "http" and str(scope["path"]).startswith(self.paths):
+        path = str(scope["path"]) if scope["type"] == "http" else ""
+        page = is_page(path)
+        if page or path.startswith(self.paths):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not authorized(header, self.token):
-                response = JSONResponse(
+            if not read_authorized(header, self.token):
+                response = _page_401() if page else JSONResponse(
                     {"detail": "missing or wrong bearer token (this server has a token; reads "
                                "need it too)"},
                     status_code=401,
@@ -52,3 +83,16 @@ class ReadAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _page_401() -> Response:
+    # Imported here: the template engine loads with the first page, not with every app.
+    from guard_server.page.render import page
+
+    return page("message.html", status=401, refresh=False, back="",
+                title="This server needs its token",
+                text="It was started with a token (GUARD_TOKEN or GUARD_SERVER_TOKEN), and its "
+                     "pages show run names, losses and messages. Give the token as the password "
+                     "in your browser's login dialog (any user name): reload the page to see "
+                     "the dialog again. From a script, send Authorization: Bearer <token>.",
+                headers={"WWW-Authenticate": 'Basic realm="logitguard", charset="UTF-8"'})

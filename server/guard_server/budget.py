@@ -8,14 +8,18 @@ from dataclasses import dataclass
 
 from guard_server.rejections import RejectReason
 from guard_server.settings import Settings
+from guard_server.trail import TRAIL_POINTS
 from guard_server.wire import Event, StepReport
 
 __all__ = ["Budget", "Over", "event_bytes", "report_bytes", "run_bytes"]
 
 # Estimated bytes held, upper bounds measured with tracemalloc on CPython 3.11 / pydantic 2
 # (tests/server/test_store.py checks them against tracemalloc): a stored report is ~5.8 KiB
-# plus its violation counts and its parameter's name, an event ~1 KiB plus its strings.
-_RANK_BYTES = 5900 + 1024  # the report, the rank's slot, its event deque
+# plus its violation counts and its parameter's name, an event ~1 KiB plus its strings, a
+# rank's trail of recent points (guard_server/trail.py) 1.5 KiB, allocated whole when the
+# rank arrives.
+_TRAIL_BYTES = 64 + 3 * 8 * TRAIL_POINTS + 96  # the array, its floats, the Trail and its ints
+_RANK_BYTES = 6000 + 1024 + _TRAIL_BYTES  # the report, the rank's slot, its events, its trail
 _CHECK_BYTES = 250  # one check's dict of actions in `violations`
 _COUNT_BYTES = 100  # one (action, count) entry
 _EVENT_BYTES = 1100

@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     max_series: int = Field(default=MAX_RANKS * (TYPICAL_SERIES_PER_RANK + SPARE_SERIES),
                             ge=MAX_SERIES_PER_RANK)
     # The memory the server may grow by: the state (reports and events, estimated in bytes;
-    # a typical rank holds ~5 KiB, one at every wire limit ~0.55 MiB) plus a reserve for the
+    # a typical rank holds ~6.6 KiB, one at every wire limit ~0.55 MiB) plus a reserve for the
     # requests in flight (`inflight_bytes`).
     max_bytes: int = Field(default=256 << 20, ge=1 << 20)
     # Bodies read at once; 8x as many more wait for a turn (a second at most), the rest get 429

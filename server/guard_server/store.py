@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from guard_server.allowance import StepAllowance
+from guard_server.batches import events_after, latest_of, without_events
 from guard_server.budget import Budget, Over, event_bytes, report_bytes, run_bytes
 from guard_server.errors import CapacityError, StepJumpError
 from guard_server.families import series_of
 from guard_server.rejections import Rejections, RejectReason
 from guard_server.settings import Settings
+from guard_server.trail import Point, Trail
 from guard_server.unknown_fields import UnknownFields
 from guard_server.wire import Event, ReportBatch, StepReport
 
@@ -50,6 +52,7 @@ class _Rank:
     series: int  # what `latest` puts on /metrics
     allowance: StepAllowance  # how far `latest.step` may still move ahead
     warned: bool = False  # two writers on this rank were logged (kept with the rank, no longer)
+    trail: Trail = field(default_factory=Trail)  # its recent points, for its page
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,7 @@ class Store:
         """Store a validated batch, or raise (storing nothing and counting the reason):
         CapacityError beyond the caps (runs, ranks, series) or the byte budget, StepJumpError
         for a step further ahead than the rank's allowance."""
-        latest = _latest_of(batch)
+        latest = latest_of(batch)
         now = self._clock()
         with self._lock:
             self._sweep(now, force=False)
@@ -112,11 +115,8 @@ class Store:
         with self._lock:
             self._sweep(self._clock(), force=True)
             runs = self._runs.items() if run_id is None else [(run_id, self._runs.get(run_id, {}))]
-            ranks = [
-                RankView(rid, rank, s.latest, s.last_seen, s.finished_at, tuple(s.events))
-                for rid, by_rank in runs
-                for rank, s in by_rank.items()
-            ]
+            ranks = [RankView(rid, rank, s.latest, s.last_seen, s.finished_at, tuple(s.events))
+                     for rid, by_rank in runs for rank, s in by_rank.items()]
             total, held = self._reports_total, self._budget.bytes
         ranks.sort(key=lambda v: (v.run_id, v.rank))
         return Snapshot(ranks, total, self.rejections.snapshot(), held, self.unknown.snapshot())
@@ -136,6 +136,16 @@ class Store:
         with self._lock:  # latest and last_seen of one update, not of two
             held = [(rid, rank, self._runs.get(rid, {}).get(rank)) for rid, rank in keys]
             return [(rid, rank, s.latest, s.last_seen) for rid, rank, s in held if s is not None]
+
+    def trails(self, run_id: str, ranks: Iterable[int]) -> dict[int, list[Point]]:
+        """The recent (step, loss, padding mass) of each of `ranks` of `run_id` held now."""
+        with self._lock:
+            held = self._runs.get(run_id, {})
+            return {r: held[r].trail.points() for r in ranks if r in held}
+
+    def now(self) -> float:
+        """The store's clock: what report ages are measured against."""
+        return self._clock()
 
     def totals(self) -> tuple[int, int]:
         """(reports accepted since start, estimated bytes of state held now)."""
@@ -185,7 +195,7 @@ class Store:
     def _update(self, own: list[StepReport], state: _Rank, latest: StepReport,
                 now: float) -> Over | None:
         """A batch of the attach the rank already has: the highest step wins."""
-        events = _events_after(state.events, own, self.settings.events_per_rank)
+        events = events_after(state.events, own, self.settings.events_per_rank)
         superseded = latest.step >= state.latest.step
         nbytes, series = state.nbytes, state.series
         if superseded:
@@ -196,20 +206,21 @@ class Store:
         if (over := self._budget.take(nbytes - state.nbytes, series - state.series)) is not None:
             return over
         if superseded:
-            state.latest = _without_events(latest)
+            state.latest = without_events(latest)
         if events is not None:
             state.events.clear()
             state.events.extend(events)
         state.nbytes, state.series = nbytes, series
         state.last_seen = now
         state.finished_at = now if state.latest.final else None
+        state.trail.extend(own)
         return None
 
     def _replace(self, batch: ReportBatch, own: list[StepReport], old: _Rank | None,
                  latest: StepReport, now: float) -> Over | None:
         """A rank never seen, or a new attach of it: its state starts over from this batch."""
         keep = self.settings.events_per_rank
-        events = _events_after((), own, keep) or []
+        events = events_after((), own, keep) or []
         nbytes = report_bytes(latest) + sum(map(event_bytes, events))
         series = series_of(latest)
         growth = nbytes - (old.nbytes if old is not None else 0)
@@ -224,12 +235,13 @@ class Store:
         previous, warned = None, False
         if old is not None:
             previous, warned = old.attach_id, self._note_replaced(batch, old, latest)
-        self._runs.setdefault(batch.run_id, {})[batch.rank] = _Rank(
-            attach_id=latest.attach_id, previous=previous, latest=_without_events(latest),
+        state = self._runs.setdefault(batch.run_id, {})[batch.rank] = _Rank(
+            attach_id=latest.attach_id, previous=previous, latest=without_events(latest),
             last_seen=now, finished_at=now if latest.final else None,
             events=deque(events, maxlen=keep), nbytes=nbytes, series=series,
             allowance=StepAllowance(float(self.settings.step_burst), now), warned=warned,
         )
+        state.trail.extend(own)
         return None
 
     def _note_replaced(self, batch: ReportBatch, old: _Rank, latest: StepReport) -> bool:
@@ -264,27 +276,3 @@ class Store:
             if not ranks:
                 del self._runs[run_id]
                 self._budget.add(-run_bytes(run_id), 0)
-
-
-def _latest_of(batch: ReportBatch) -> StepReport:
-    # A sender switches attach only forward, so the batch's last report names the newest one;
-    # within it, ties on step go to the final report, so a detach at a boundary marks it done.
-    attach = batch.reports[-1].attach_id
-    own = [r for r in batch.reports if r.attach_id == attach]
-    return max(own, key=lambda r: (r.step, r.final))
-
-
-def _without_events(report: StepReport) -> StepReport:
-    return report.model_copy(update={"events": []}) if report.events else report
-
-
-def _events_after(
-    held: Iterable[Event], reports: list[StepReport], keep: int
-) -> list[Event] | None:
-    """The rank's last `keep` events once `reports` are added (step order), or None when
-    the batch brings no events."""
-    carrying = [r for r in reports if r.events]
-    if not carrying or keep == 0:
-        return None
-    new = [e for r in sorted(carrying, key=lambda r: r.step) for e in r.events]
-    return [*held, *new][-keep:]

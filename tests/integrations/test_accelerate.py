@@ -106,3 +106,28 @@ def test_under_accumulate_the_steps_loss_is_the_mean_of_its_micro_batches() -> N
         assert g.stats["step"] == 1
     assert g.stats["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
     assert g.stats["loss"] != pytest.approx(losses[-1], rel=1e-6)
+
+
+def test_a_prepared_model_under_mixed_precision_takes_its_labels_by_position() -> None:
+    """prepare() patches the model's forward in place for autocast (functools.wraps keeps its
+    signature): nanoGPT called as model(x, y) is guarded with its labels seen."""
+    from tests.conftest import batch
+    from tests.integrations.nanogpt import REAL, nanogpt
+
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    raw = nanogpt(garbage=None)
+    opt = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    model, opt = acc.prepare(raw, opt)
+    assert model is raw and "forward" in vars(model)  # the same module, its forward patched
+    with guard.attach(model, policy=policy(), vocab_size=REAL, optimizer=opt) as g:
+        _, loss = model(*batch(REAL))
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        assert g.stats["step"] == 1 and g.stats["violations"] == {}  # labels and loss seen
+        x, y = batch(REAL, seed=1)
+        y[0, 1] = 105
+        _, loss = model(x, y)
+        acc.backward(loss)
+        with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 2: 1 label"):
+            opt.step()

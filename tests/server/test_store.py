@@ -14,6 +14,7 @@ import pytest
 from guard_server import CapacityError, ReportBatch, Settings, StepJumpError, Store
 from guard_server.families import series_of
 from guard_server.rejections import REJECT_REASONS
+from guard_server.trail import TRAIL_POINTS
 from guard_server.wire import CHECKS
 
 
@@ -126,6 +127,19 @@ def test_keeps_the_last_events_in_step_order(make_batch: Any, wire_example: Any)
     assert [e.message for e in events] == ["m1-1", "m0-0", "m0-1"]
 
 
+def test_the_trail_holds_the_last_points_of_the_attach_in_step_order(make_batch: Any) -> None:
+    store = Store(Settings())
+    for first, last in ((1, 20), (31, 60), (11, 30), (61, 80)):  # 11-30 come late: dropped
+        steps = tuple(range(first, last + 1))
+        store.ingest(_batch(make_batch, steps=steps, loss=None if first == 61 else 2.5))
+    points = store.trails("run-1", [0, 7])[0]  # rank 7 holds nothing: left out
+    assert len(points) == TRAIL_POINTS and store.trails("run-1", [7]) == {}
+    assert [p[0] for p in points] == [*range(11, 21), *range(31, 81)]  # the last 60 held
+    assert points[0][1:] == (2.5, 1.2e-09) and points[-1][1] is None
+    store.ingest(_batch(make_batch, steps=(3,), attach_id="another-attach"))
+    assert [p[0] for p in store.trails("run-1", [0])[0]] == [3]  # a new attach starts over
+
+
 def test_over_the_run_cap_nothing_is_stored(make_batch: Any) -> None:
     store = Store(Settings(max_runs=2))
     store.ingest(_batch(make_batch, run_id="a"))
@@ -223,10 +237,13 @@ def test_the_byte_estimate_bounds_what_is_held(make_batch: Any, wire_example: An
         "ascii events": {"events": _events(wire_example, 32, "x" * 4000)},
         "astral events": {"events": _events(wire_example, 32, "\U0001f600" * 4000)},
     }
+    steps = {"a full trail": tuple(range(1, TRAIL_POINTS + 1))}  # its ring is allocated whole
+    cases["a full trail"] = {}
     for name, fields in cases.items():
         # Parsed inside the measurement, as the server parses each body: what stays after
         # the bodies are gone is what the store holds.
-        bodies = [json.dumps(make_batch(rank=r, **fields)) for r in range(200)]
+        bodies = [json.dumps(make_batch(rank=r, steps=steps.get(name, (1,)), **fields))
+                  for r in range(200)]
         store = Store(Settings(max_ranks_per_run=1000))
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]

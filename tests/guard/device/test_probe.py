@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from guard.checks import loss, padding_mass, token_range
-from guard.device.ids import labels_position
+from guard.device.labels import labels_position
 from guard.device.logits import ProbeConfig
 from guard.device.ops import padding_mass as mass_of
 from guard.device.ops import sample_positions

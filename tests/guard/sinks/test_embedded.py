@@ -32,6 +32,19 @@ def test_embedded_endpoint_serves_the_guards_reports() -> None:
         httpx.get(g.metrics_url, timeout=1.0)
 
 
+def test_the_trainers_endpoint_serves_the_page_of_its_run() -> None:
+    m = tiny_gpt(garbage=0.5)
+    with guard.attach(m, policy=serving(serve="127.0.0.1:0"), vocab_size=100) as g:
+        assert g.metrics_url is not None
+        train_steps(g, m, 3)
+        base = g.metrics_url.removesuffix("metrics")
+        index = httpx.get(base)
+        run = httpx.get(f"{base}runs/sink-test")
+    assert index.status_code == 200 and '<a href="runs/sink-test">sink-test</a>' in index.text
+    assert "content-security-policy" in index.headers
+    assert run.status_code == 200 and run.text.count("<polyline points=") == 2  # 3 reports
+
+
 def test_taken_port_is_a_warning_and_training_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))

@@ -224,3 +224,34 @@ def test_coverage_names_what_was_not_seen_and_only_what_crossed() -> None:
     uncrossed = reading(blind, over={coverage.BLIND["labels"]: 0})
     (cv,) = verdict(uncrossed).violations
     assert "no loss" not in cv.message and cv.once == "coverage:labels"
+
+
+def _ghost_labels() -> dict[Any, float]:
+    return {token_range.LABEL: 2, token_range.TOP["label"]: 117 * token_range.POSITIONS}
+
+
+@pytest.mark.parametrize("also", [{}, {nonfinite.HIDDEN: 4.0}], ids=["loss only", "and hidden"])
+def test_ghost_labels_are_named_as_the_infinite_losss_cause_whatever_else(
+        also: dict[Any, float]) -> None:
+    """Under the mask a ghost label's loss is +inf: named as the cause of the loss, never the
+    learning rate, also when the step saw another non-finite tensor (issue 33)."""
+    glob = {**_ghost_labels(), nonfinite.LOSS: 1, **also}
+    r = reading(glob, over=dict.fromkeys([token_range.LABEL, nonfinite.LOSS, *also], 0))
+    tr, nf = verdict(r, token_range={"action": "warn"}).violations
+    assert (tr.check, nf.check) == ("token_range", "nonfinite")
+    assert "The loss is +inf because 2 labels are ghost ids in [100, 128) (highest 117)" \
+        in nf.message
+    assert ("for the lm_head input, check the learning rate" in nf.message) is bool(also)
+    assert verdict(r, token_range={"action": "warn"}).error() is not None  # nonfinite: fail
+
+
+def test_labels_not_seen_are_the_first_suspect_of_an_infinite_loss() -> None:
+    glob = {nonfinite.LOSS: 1, coverage.BLIND["labels"]: 1}
+    r = reading(glob, over={nonfinite.LOSS: 0, coverage.BLIND["labels"]: 0})
+    nf = next(v for v in verdict(r).violations if v.check == "nonfinite")
+    assert "This step's labels were not checked (token_range is off, or they did not reach " \
+           "the guarded forward: see coverage), and a label in [100, 128) makes the loss +inf " \
+           "under the mask: look at the labels first; then check the learning rate" in nf.message
+    seen = reading({nonfinite.LOSS: 1}, over={nonfinite.LOSS: 0})
+    (nf,) = verdict(seen).violations
+    assert "labels" not in nf.message and "Check the learning rate" in nf.message
