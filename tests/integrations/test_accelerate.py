@@ -131,3 +131,20 @@ def test_a_prepared_model_under_mixed_precision_takes_its_labels_by_position() -
         acc.backward(loss)
         with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 2: 1 label"):
             opt.step()
+
+
+def test_a_nan_born_in_the_backward_stops_before_the_update_through_the_wrapper() -> None:
+    from tests.guard.test_backward_nan import custom_op
+
+    acc, model, opt, loader, tok = prepared()
+    model.transformer.h[0].register_forward_hook(
+        lambda m, a, out: custom_op(out) if isinstance(out, torch.Tensor)
+        else (custom_op(out[0]), *out[1:]))
+    batches = list(loader)
+    with guard.attach(model, policy=policy(), tokenizer=tok, optimizer=opt):
+        acc.backward(model(**batches[0]).loss)
+        before = snapshot(model, opt)
+        with pytest.raises(GuardViolation, match="born in the backward") as e:
+            opt.step()
+    assert (e.value.check, e.value.step) == ("nonfinite", 1)
+    assert same(snapshot(model, opt), before)

@@ -120,3 +120,19 @@ def test_generation_after_fit_never_picks_a_padding_id() -> None:
     cb.release()  # the rows stay repaired: the real rows' mean as training left them
     w = model.lm_head.weight.detach()
     assert torch.allclose(w[100:], w[:100].mean(dim=0).expand(28, -1), atol=1e-6)
+
+
+def test_a_nan_born_in_the_backward_stops_fit_before_that_update() -> None:
+    # The callback's boundary (on_before_optimizer_step) comes after the closure's backward:
+    # the gradients are complete there, the update not made.
+    from tests.guard.test_backward_nan import custom_op
+
+    lm = LM()
+    lm.model.blocks[0].register_forward_hook(lambda m, a, out: custom_op(out))
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    cb = GuardCallback(policy=policy(), vocab_size=100)
+    with pytest.raises(GuardViolation, match=r"nonfinite on rank 0 at step 1: NaN/Inf values: "
+                       r"\d+ parameters' gradients") as e:
+        fit(lm, cb, 3, loader())
+    assert "born in the backward" in str(e.value) and "blocks.0.attn.weight" in str(e.value)
+    assert all(torch.equal(before[k], v) for k, v in lm.state_dict().items())
