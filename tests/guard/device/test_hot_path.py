@@ -4,7 +4,7 @@ Three scans, all of the code as it is (no list kept by hand):
 - every file under guard/device/, except the one read of a step boundary (`Flags._wait`) and
   the host lists it turns into a Reading;
 - what a stateful check's state runs in the hooks and before each read (guard/stateful/:
-  `watches`, `count`, `check`), whatever the check;
+  `watches`, `count`, `end_step`, `check`), whatever the check;
 - every function registered through `guard.device.hooks.hook`, wherever it lives: each call
   of `hook(...)` in guard/ is found and its function resolved. The run-time record of the
   helper (`registered()`) must hold nothing the scan did not find, and no file but the helper
@@ -135,8 +135,9 @@ def test_no_host_read_in_device_code(path: Path) -> None:
 
 
 STATEFUL = GUARD / "stateful"
-# The verbs of a check's state that run in the id hooks and before every read (CheckState).
-PER_STEP = {"watches", "count", "check"}
+# The verbs of a check's state that run in the id hooks, at each boundary and before every
+# read (CheckState).
+PER_STEP = {"watches", "count", "check", "end_step"}
 
 
 @pytest.mark.parametrize("path", sorted(STATEFUL.glob("*.py")), ids=lambda p: p.name)
