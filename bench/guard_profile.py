@@ -50,16 +50,25 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=None)
+    # The model: the sweep's head-dominated one by default; the bench model of
+    # bench/overhead.py is --n-layer 4 --n-embd 256 --n-head 4 --real 50257 --rows 50304.
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=2)
+    p.add_argument("--mask", action="store_true", help="bench/overhead.py's mask arm's policy")
     args = p.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.getLogger("guard").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=args.rows, block_size=args.block, n_layer=2, n_head=2,
-                          n_embd=64))
+    model = GPT(GPTConfig(vocab_size=args.rows, block_size=args.block, n_layer=args.n_layer,
+                          n_head=args.n_head, n_embd=args.n_embd))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=False)
-    g = guard.attach(model, policy={"export": {"serve": None}}, vocab_size=args.real,
-                     optimizer=opt)
+    policy: dict[str, Any] = {"export": {"serve": None}}
+    if args.mask:
+        policy["checks"] = {"padding_mass": {"action": "mask"}, "nonfinite": {"action": "warn"},
+                            "token_range": {"action": "warn"}, "loss_spike": {"action": "off"}}
+    g = guard.attach(model, policy=policy, vocab_size=args.real, optimizer=opt)
     gen = torch.Generator().manual_seed(0)
 
     def step() -> None:

@@ -152,7 +152,7 @@ class Logits:
             return
         if c.padding_mass and real < c.columns:
             per_chunk = chunk_positions(c.columns, positions.device, forward)
-            # A sample is a sixteenth of the forward: one thread does it without waiting on
+            # A sample is a 32nd of the forward: one thread does it without waiting on
             # others (ops.one_thread); every position (exact) is worth the threads.
             with nullcontext() if c.exact else one_thread(positions.device):
                 mass, lse_real = padding_mass_parts(positions, real, per_chunk=per_chunk,

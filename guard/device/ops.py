@@ -36,13 +36,17 @@ __all__ = [
 # (and at most `sample_tokens`), so its reductions cost a bounded fraction of what the loss
 # already spends on the same logits (a log-softmax over every position, forward and backward),
 # whatever the vocabulary: a head-dominated model with Qwen2's 151,936 rows measured 1.09x at
-# a quarter of the positions (docs/benchmarks.md, "Vocabulary size"). A sixteenth keeps the
-# default's 256 positions from 4096 positions a forward up.
-SAMPLE_SHARE = 16
+# a quarter of the positions (docs/benchmarks.md, "Vocabulary size"). One in 32 (it was 16
+# until the gradient check came: the default policy's cost a step stays within 1% of the
+# bench model's step, docs/benchmarks.md) keeps the default's 256 positions from 8192
+# positions a forward up.
+SAMPLE_SHARE = 32
+# Exact (all-token) mode's chunks on the CPU: at least a sixteenth of the forward's positions.
+CHUNK_SHARE = 16
 # Elements per chunk of (positions, rows) work, at least. On the CPU every fresh temporary of
 # megabytes is mapped and page-faulted anew, and every large op is a parallel region whose
 # threads wait for each other (on a busy machine, for the scheduler): the chunks go through
-# one reused buffer (guard/device/logits.py), as few as fit 1/SAMPLE_SHARE of the forward's
+# one reused buffer (guard/device/logits.py), as few as fit 1/CHUNK_SHARE of the forward's
 # logits, so a sample is one chunk. On CUDA the caching allocator has neither cost, so chunks
 # only bound memory in exact (all-token) mode: 1024 x rows.
 CPU_CHUNK_ELEMENTS = 1 << 21
@@ -59,7 +63,7 @@ def chunk_positions(rows: int, device: torch.device, positions: int = 0) -> int:
     """Positions per chunk for (positions, rows) reductions on `device`, for a forward of
     `positions` positions (`CPU_CHUNK_ELEMENTS` says why)."""
     if device.type == "cpu":
-        return max(1, CPU_CHUNK_ELEMENTS // rows, positions // SAMPLE_SHARE)
+        return max(1, CPU_CHUNK_ELEMENTS // rows, positions // CHUNK_SHARE)
     return CUDA_CHUNK_ROWS
 
 

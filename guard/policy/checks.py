@@ -31,7 +31,7 @@ class PaddingMassCheck(Section):
     # 1e-6: every padded model's padding columns take more than that before training, so it
     # suits heads whose padding rows must already be masked or empty.
     threshold: float | None = Field(None, ge=0.0, le=1.0)
-    # At most this many strided positions a forward, and at most one in 16 of them: a bounded
+    # At most this many strided positions a forward, and at most one in 32 of them: a bounded
     # share of the loss's own work on the logits (docs/checks.md); exact measures them all.
     sample_tokens: int = Field(256, ge=1)
     exact: bool = False

@@ -169,10 +169,10 @@ def test_chunks_through_a_scratch_buffer_give_the_same_figures(dtype: torch.dtyp
     assert torch.allclose(lse.double(), exact, rtol=1e-6, equal_nan=True)
 
 
-def test_a_sixteenth_of_a_forwards_positions_is_sampled_and_fits_one_chunk() -> None:
-    from guard.device.ops import SAMPLE_SHARE, chunk_positions, sample_size
+def test_a_32nd_of_a_forwards_positions_is_sampled_and_fits_one_chunk() -> None:
+    from guard.device.ops import CHUNK_SHARE, chunk_positions, sample_size
 
-    assert [sample_size(n, 256) for n in (1, 15, 16, 1024, 4096, 65536)] == [1, 1, 1, 64,
+    assert [sample_size(n, 256) for n in (1, 31, 32, 1024, 8192, 65536)] == [1, 1, 1, 32,
                                                                              256, 256]
     assert sample_size(1024, 8) == 8  # sample_tokens, where fewer
     cpu = torch.device("cpu")
@@ -180,7 +180,7 @@ def test_a_sixteenth_of_a_forwards_positions_is_sampled_and_fits_one_chunk() -> 
         # The sample is one chunk, so a forward's measure is a few large ops, not dozens.
         assert chunk_positions(rows, cpu, n) >= sample_size(n, 256)
         # Exact mode: chunks of a sixteenth of the forward (or 8 MB, where that is more).
-        assert chunk_positions(rows, cpu, n) == max(n // SAMPLE_SHARE, (1 << 21) // rows, 1)
+        assert chunk_positions(rows, cpu, n) == max(n // CHUNK_SHARE, (1 << 21) // rows, 1)
 
 
 def test_the_guards_ops_run_in_one_thread_on_the_cpu_and_the_count_comes_back() -> None:
