@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import torch
 
+from guard.device.compile import compiling
 from guard.device.ops import mask_padding
 from guard.vocab.parallel import dtensor_of
 
@@ -44,7 +45,9 @@ def mask_columns(logits: torch.Tensor, real: int) -> torch.Tensor:
     """Columns [real, ...) to -inf with zero gradient: in place (ops.mask_padding), or, on a
     view autograd forbids changing in place, a masked copy ((..., columns) once; its
     backward zeroes the same columns)."""
-    if logits.requires_grad and torch.is_grad_enabled() and _function_view(logits):
+    # Traced, ops.mask_padding is out of place already (and grad_fn is no thing to trace).
+    if not compiling() and logits.requires_grad and torch.is_grad_enabled() \
+            and _function_view(logits):
         pad = torch.arange(logits.shape[-1], device=logits.device) >= real  # (columns,)
         return logits.masked_fill(pad, float("-inf"))
     return mask_padding(logits, real)

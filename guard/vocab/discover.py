@@ -101,7 +101,8 @@ def _embedding(m: nn.Module) -> bool:
 
 
 def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
-    linears = [(n, m) for n, m in model.named_modules() if _linear(m)]
+    linears: list[tuple[str, nn.Module]] = [(n, m) for n, m in model.named_modules()
+                                            if _linear(m)]
     named = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in _HEAD_NAMES]
     if len(named) == 1:
         return named[0][1]
@@ -145,7 +146,8 @@ def _find_tied_linear(model: nn.Module) -> tuple[str, nn.Module, nn.Module] | No
 
 
 def _find_embedding(model: nn.Module, head: nn.Module) -> nn.Module:
-    embs = [(n, m) for n, m in model.named_modules() if _embedding(m)]
+    embs: list[tuple[str, nn.Module]] = [(n, m) for n, m in model.named_modules()
+                                         if _embedding(m)]
     tied = [(n, m) for n, m in embs if m.weight is getattr(head, "weight", None)]
     if len(tied) == 1:
         return tied[0][1]

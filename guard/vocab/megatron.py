@@ -13,6 +13,11 @@ __all__ = ["columns_of", "group_rank", "is_column_parallel", "is_vocab_parallel_
            "out_features", "rows_of"]
 
 
+def _int(m: object, name: str) -> int:
+    """An int attribute the checks below found (megatron's layers are not typed here)."""
+    return int(getattr(m, name))
+
+
 def is_vocab_parallel_embedding(m: object) -> bool:
     return isinstance(m, nn.Module) and all(
         isinstance(getattr(m, a, None), int) for a in
@@ -28,7 +33,7 @@ def is_column_parallel(m: object) -> bool:
 def out_features(m: nn.Module) -> int | None:
     """The outputs of a Linear, or of the whole of a ColumnParallelLinear."""
     if is_column_parallel(m):
-        return int(getattr(m, "output_size"))  # noqa: B009 - typed by the check above
+        return _int(m, "output_size")
     n = getattr(m, "out_features", None)
     return n if isinstance(n, int) else None
 
@@ -36,9 +41,9 @@ def out_features(m: nn.Module) -> int | None:
 def rows_of(m: nn.Module) -> int | None:
     """Rows of the whole vocab of a Megatron vocab-parallel layer (its weight holds a shard)."""
     if is_vocab_parallel_embedding(m):
-        return int(getattr(m, "num_embeddings"))  # noqa: B009
+        return _int(m, "num_embeddings")
     if is_column_parallel(m):
-        return int(getattr(m, "output_size"))  # noqa: B009
+        return _int(m, "output_size")
     return None
 
 
@@ -53,9 +58,9 @@ def columns_of(m: nn.Module) -> tuple[int, int, Any] | None:
     """(start, end, tp group) of the global ids a Megatron layer's local rows hold."""
     group = getattr(m, "tp_group", None)
     if is_vocab_parallel_embedding(m):
-        return int(m.vocab_start_index), int(m.vocab_end_index), group
+        return _int(m, "vocab_start_index"), _int(m, "vocab_end_index"), group
     if is_column_parallel(m):
         rank, _ = group_rank(group)
-        width = int(getattr(m, "output_size_per_partition"))  # noqa: B009
+        width = _int(m, "output_size_per_partition")
         return rank * width, (rank + 1) * width, group
     return None

@@ -1,7 +1,8 @@
 """torch's tensor parallel under torchrun on gloo: tp_models.TinyLM through parallelize_module
 (torchtitan's plan) on 2 and on 4 ranks, its logits in each form, a head sharded by hand
-(vocab_shard=), and FSDP2 over tensor parallel on a 2 x 2 mesh. One launch per layout runs every case (tp_worker.py); a rank that
-skips a collective the others make hangs the launch, which is killed under its timeout."""
+(vocab_shard=), and FSDP2 over tensor parallel on a 2 x 2 mesh. One launch per layout runs
+every case (tp_worker.py); a rank that skips a collective the others make hangs the launch,
+which is killed under its timeout."""
 
 from __future__ import annotations
 
