@@ -24,7 +24,7 @@ from guard.checks import padding_mass
 from guard.device.flags import Flags
 from guard.device.ops import logsumexp, logsumexp_rows
 
-__all__ = ["ShardedMass", "shard_parts"]
+__all__ = ["ShardedMass", "shard_parts", "whole_vocab"]
 
 
 def shard_parts(positions: torch.Tensor, real: int, per_chunk: int | None = None,
@@ -37,6 +37,12 @@ def shard_parts(positions: torch.Tensor, real: int, per_chunk: int | None = None
     else:
         lse_pad = torch.full_like(lse_real, float("-inf"))
     return torch.stack([lse_real, lse_pad])
+
+
+def whole_vocab(every: torch.Tensor) -> torch.Tensor:
+    """(2, n) of the whole vocab from (shards, 2, n) shard_parts: each logsumexp over the
+    shards, as the loss's cross-shard logsumexp combines them."""
+    return torch.logsumexp(every, dim=0)
 
 
 class ShardedMass:
@@ -76,7 +82,7 @@ class ShardedMass:
         """(2, n) of every shard of the group combined by logsumexp."""
         size = 1 if self.group is None else dist.get_world_size(self.group)
         if size == 1:
-            return lse
+            return whole_vocab(lse.unsqueeze(0))
         every = lse.new_empty((size * lse.shape[0], lse.shape[1]))  # the ranks' (2, n), stacked
         dist.all_gather_into_tensor(every, lse, group=self.group)
-        return torch.logsumexp(every.view(size, *lse.shape), dim=0)
+        return whole_vocab(every.view(size, *lse.shape))

@@ -53,7 +53,7 @@ def _dtensor_shard(module: nn.Module, name: str, model: nn.Module) -> VocabShard
     weight = dtensor_of(getattr(module, "weight", None))
     if weight is None:
         return None
-    dims = tp_dims(weight, fsdp_managed(model, name))
+    dims = tp_dims(tuple(weight.placements), fsdp_managed(model, name))
     if not dims:
         return None
     mesh, rows = weight.device_mesh, int(weight.shape[0])

@@ -97,11 +97,11 @@ def fsdp_managed(model: nn.Module, name: str) -> bool:
     return any(isinstance(m, fsdp) for n, m in model.named_modules() if n in prefixes)
 
 
-def tp_dims(weight: Any, fsdp: bool) -> tuple[int, ...]:
-    """The mesh dims on which tensor parallelism splits a DTensor weight's rows. Under FSDP2
-    the leading dims are FSDP2's: all of them alone (Shard(0), HSDP's Replicate, Shard(0)),
-    up to its _StridedShard over tensor parallel's Shard(0) (torchtitan's 2-D layout)."""
-    placements = tuple(weight.placements)
+def tp_dims(placements: tuple[Any, ...], fsdp: bool) -> tuple[int, ...]:
+    """The mesh dims on which tensor parallelism splits the rows of a DTensor weight placed
+    so. Under FSDP2 the leading dims are FSDP2's: all of them alone (Shard(0), HSDP's
+    Replicate, Shard(0)), up to its _StridedShard over tensor parallel's Shard(0)
+    (torchtitan's 2-D layout)."""
     sharded = tuple(i for i, p in enumerate(placements) if on_rows(p))
     if not fsdp:
         return sharded

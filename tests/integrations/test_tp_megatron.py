@@ -31,3 +31,18 @@ def megatron(request: pytest.FixtureRequest,
 @pytest.mark.parametrize("case", list(CHECKS))
 def test_megatron_layers(megatron: list[dict[str, Any]], case: str) -> None:
     CHECKS[case]([res["megatron"][case] for res in megatron])
+
+
+@pytest.mark.slow
+@DIST
+@MEGATRON
+def test_megatron_layers_say_their_shard_and_degree(megatron: list[dict[str, Any]]) -> None:
+    tp = len(megatron)
+    for res in megatron:
+        calls = res["attach"]
+        assert calls["agreeing"] == {"rows": 1024, "tp": tp}
+        assert "disagrees with output_layer: it is Megatron's ColumnParallelLinear" in \
+            calls["another shard"]["error"]
+        assert calls["another degree"]["error"] == (
+            f"vocab.tensor_parallel: 8, but output_layer is Megatron's ColumnParallelLinear "
+            f"split over {tp} ranks; set vocab.tensor_parallel: {tp} or leave it out")

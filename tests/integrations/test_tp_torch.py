@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from tests.integrations.test_distributed import DIST, run_ranks
-from tests.integrations.tp_checks import CHECKS, REAL, WHOLE_ROWS
+from tests.integrations.tp_checks import CHECKS, HAND, REAL, WHOLE_ROWS
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-FORMS = ("dtensor", "local", "gathered", "hand")
+FORMS = ("dtensor", "local", "gathered")
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
@@ -31,6 +31,32 @@ def torch_tp(request: pytest.FixtureRequest,
 @pytest.mark.parametrize("case", list(CHECKS))
 def test_parallelize_module(torch_tp: list[dict[str, Any]], form: str, case: str) -> None:
     CHECKS[case]([res[form][case] for res in torch_tp])
+
+
+@pytest.mark.slow
+@DIST
+@pytest.mark.parametrize("case", HAND)
+def test_a_head_sharded_by_hand(torch_tp: list[dict[str, Any]], case: str) -> None:
+    # vocab_shard=(start, end); the world is the tensor-parallel group, so no group is given.
+    CHECKS[case]([res["hand"][case] for res in torch_tp])
+
+
+@pytest.mark.slow
+@DIST
+def test_a_dtensor_head_says_its_shard_and_degree(torch_tp: list[dict[str, Any]]) -> None:
+    tp = len(torch_tp)
+    for rank, res in enumerate(torch_tp):
+        calls, width = res["attach"], WHOLE_ROWS // tp
+        # The docs' old call, vocab_shard= and the degree given, agrees and is accepted.
+        assert calls["agreeing"] == {"rows": WHOLE_ROWS, "tp": tp}
+        other = (0, width) if rank else (width, 2 * width)
+        assert calls["another shard"]["error"] == (
+            f"vocab_shard={other} disagrees with lm_head: it is a DTensor Shard(0) on mesh dim "
+            f"'tp', whose columns here are the ids [{rank * width}, {(rank + 1) * width}) of "
+            f"{WHOLE_ROWS}; drop vocab_shard= (the guard reads it from the head)")
+        assert calls["another degree"]["error"] == (
+            f"vocab.tensor_parallel: 8, but lm_head is a DTensor Shard(0) on mesh dim 'tp' "
+            f"split over {tp} ranks; set vocab.tensor_parallel: {tp} or leave it out")
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ import guard
 from guard.checks.padding_mass import bound
 from guard.policy import Policy
 from tests.integrations.dist_worker import finish, violation
+from tests.integrations.tp_checks import HAND
 from tests.integrations.tp_models import REAL, TinyLM, batch, full_weights, real_vocab, rows_for
 
 DEFAULT: dict[str, Any] = {"export": {"serve": None}}  # the library's defaults otherwise
@@ -73,10 +74,12 @@ class Run:
         self.shard = shard  # given as vocab_shard= (a head sharded by hand)
 
     def attach(self, model: torch.nn.Module, policy: dict[str, Any],
-               optimizer: torch.optim.Optimizer | None = None) -> guard.Guard:
+               optimizer: torch.optim.Optimizer | None = None,
+               vocab_shard: tuple[int, int] | None = None) -> guard.Guard:
         """The attach call that works for this model: a hand-sharded head says its shard."""
         if self.shard is None:
-            return guard.attach(model, policy=policy, vocab_size=REAL, optimizer=optimizer)
+            return guard.attach(model, policy=policy, vocab_size=REAL, optimizer=optimizer,
+                                vocab_shard=vocab_shard)
         return guard.attach(model, policy={**policy, "vocab": {"tensor_parallel": self.tp}},
                             vocab_size=REAL, optimizer=optimizer, vocab_shard=self.shard)
 
@@ -238,6 +241,34 @@ def nan(run: Run) -> dict[str, Any]:
     return out
 
 
+def attach_calls(run: Run) -> dict[str, Any]:
+    """What attach takes and refuses of a DTensor head: the shard read from the placement
+    (vocab_shard=, given too, must agree with it), the tensor-parallel degree from the mesh."""
+    start, width = dist.get_rank() * run.rows // run.tp, run.rows // run.tp
+    out: dict[str, Any] = {}
+    calls = {"agreeing": {"vocab_shard": (start, start + width), "policy": {
+                 **DEFAULT, "vocab": {"tensor_parallel": run.tp}}},
+             "another shard": {"vocab_shard": (0, width) if start else (width, 2 * width)},
+             "another degree": {"policy": {**DEFAULT, "vocab": {"tensor_parallel": 8}}}}
+    for name, kw in calls.items():
+        try:
+            with run.attach(run.build(run.weights()), kw.get("policy", DEFAULT),
+                            vocab_shard=kw.get("vocab_shard")) as g:
+                out[name] = {"rows": g.rows, "tp": g.audit.tensor_parallel}
+        except guard.AttachError as e:
+            out[name] = {"error": str(e)}
+    return out
+
+
+def recorded(case: Callable[[Run], dict[str, Any]], run: Run) -> dict[str, Any]:
+    """The case's results, or the error it raised (the test then fails on that case alone,
+    unless the error left another rank waiting in a collective: the launch's timeout)."""
+    try:
+        return case(run)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 CASES = {"healthy": healthy, "garbage": garbage, "mask": mask, "ghost": ghost, "nan": nan}
 
 
@@ -274,8 +305,10 @@ def main(out: Path, mode: str) -> None:
 
         finish(out, dist.get_rank(), mesh_cases())
     runs = torch_runs() if mode == "torch" else megatron_runs()
-    result = {form: {name: case(run) for name, case in CASES.items()}
-              for form, run in runs.items()}
+    result: dict[str, Any] = {form: {name: recorded(case, run) for name, case in CASES.items()
+                                     if form != "hand" or name in HAND}
+                              for form, run in runs.items()}
+    result["attach"] = recorded(attach_calls, next(iter(runs.values())))
     finish(out, dist.get_rank(), result)
 
 
