@@ -76,6 +76,7 @@ def ranks(args: argparse.Namespace) -> None:
     arms = {name: model(args, mesh) for name in ("unguarded", "guarded")}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in arms.items()}
     g = guard.attach(arms["guarded"], policy=POLICY, vocab_size=REAL, optimizer=opts["guarded"])
+    combines = timed_combine(g)
     times: dict[str, list[float]] = {n: [] for n in arms}
     gen = torch.Generator().manual_seed(0)
     for step in range(args.warmup + args.steps):
@@ -93,32 +94,65 @@ def ranks(args: argparse.Namespace) -> None:
                 times[name].append(time.perf_counter() - start)
     g.detach()
     if dist.get_rank() == 0:
-        report(args, times, g.stats)
+        report(args, times, combines[args.warmup:], g.stats)
     dist.destroy_process_group()
 
 
-def report(args: argparse.Namespace, times: dict[str, list[float]], stats: dict[str, Any]) -> None:
+def timed_combine(g: guard.Guard) -> list[float]:
+    """The seconds each read's combine of the padding mass over the ranks took (its
+    all_gather and the logsumexp over the shards), as the guarded arm runs."""
+    sharded = g._probe.logits.sharded  # the bench looks inside; the library never does
+    assert sharded is not None, "the head is not vocab-parallel"
+    spent: list[float] = []
+    combine = sharded.combine
+
+    def timed(*, reduce: bool) -> None:
+        start = time.perf_counter()
+        combine(reduce=reduce)
+        spent.append(time.perf_counter() - start)
+
+    sharded.combine = timed  # type: ignore[method-assign]
+    return spent
+
+
+def report(args: argparse.Namespace, times: dict[str, list[float]], combines: list[float],
+           stats: dict[str, Any]) -> None:
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
     base = med["unguarded"]
     lines = ["| arm | median step (ms) | ratio vs unguarded |", "|---|---|---|"]
     lines += [f"| {n} | {v:.1f} | {v / base:.3f}x |" for n, v in med.items()]
-    header = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-              f"Python {platform.python_version()}, torch {torch.__version__}.\n\n"
+    load = os.getloadavg()[0]
+    header = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
+              f"(load average {load:.1f} at the end); Python {platform.python_version()}, torch "
+              f"{torch.__version__}.\n\n"
               f"Command: `python bench/tp_overhead.py --write docs/benchmarks.md` (TP "
               f"{args.tp} on gloo, one thread a rank; {args.n_layer} layers, d={args.n_embd}, "
               f"batch {args.batch} x {args.block} tokens, vocab {REAL} real / {ROWS} rows, "
               f"{ROWS // args.tp} columns a rank; {args.steps} timed steps per arm after "
               f"{args.warmup} warm-up, interleaved).\n")
     added = med["guarded"] - base
-    text = (header + "\n" + "\n".join(lines) + f"\n\nAdded time a step: {added:.2f} ms, with "
-            f"the read's combine of {(stats['padding_mass'] is not None and 'the') or 'no'} "
-            "padding mass over the ranks; the guard reported no violation: "
-            f"{stats['violations'] == {}}.\n")
+    combine = statistics.median(combines) * 1e3
+    paired = statistics.median(g / u for g, u in zip(times["guarded"], times["unguarded"],
+                                                      strict=True))
+    lines.append(f"| paired (median of each step's guarded / unguarded) | | {paired:.3f}x |")
+    text = (header + "\n" + "\n".join(lines) + f"\n\nAdded time a step: {added:.2f} ms; of "
+            f"it, the read's combine of the padding mass over the ranks (one all_gather of "
+            f"{stats_positions(args)} sampled positions x 2 floats a rank, and the logsumexp "
+            f"over the shards) took {combine:.3f} ms at the median. Violations: "
+            f"{stats['violations'] or 'none'}; padding mass {stats['padding_mass']:.3g} (the "
+            "whole vocab's, alike on both ranks).\n")
     print(text)
     if args.write:
         from bench.overhead import write_section
 
         write_section(args.write, "Tensor parallel overhead (cpu)", text)
+
+
+def stats_positions(args: argparse.Namespace) -> int:
+    """Positions the default policy samples a forward (ops.sample_size)."""
+    from guard.device.ops import sample_size
+
+    return sample_size(args.batch * args.block, 256)
 
 
 def main() -> None:

@@ -41,10 +41,39 @@ def _function_view(t: torch.Tensor) -> bool:
     return t._is_view() and isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction)
 
 
+class _MaskShard(torch.autograd.Function):
+    """ops.mask_padding's in-place mask for a DTensor, on its local columns: forward fills
+    them, backward zeroes the same columns of the gradient (a DTensor laid out alike), each
+    on this rank's part; nothing of (tokens, columns) is allocated."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, real: int) -> torch.Tensor:
+        # Autograd is off in a Function's forward: the local view may be written.
+        cast(Any, logits).to_local()[..., real:].fill_(float("-inf"))
+        ctx.mark_dirty(logits)
+        ctx.real = real
+        return logits
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        mine = cast(Any, grad).to_local()
+        if any(st == 0 and n > 1 for st, n in zip(mine.stride(), mine.shape, strict=True)):
+            grad = grad.clone()  # an expanded gradient (from .sum()) is no one's to change
+            mine = cast(Any, grad).to_local()
+        mine[..., ctx.real:] = 0.0
+        return grad, None
+
+
 def mask_columns(logits: torch.Tensor, real: int) -> torch.Tensor:
-    """Columns [real, ...) to -inf with zero gradient: in place (ops.mask_padding), or, on a
-    view autograd forbids changing in place, a masked copy ((..., columns) once; its
-    backward zeroes the same columns)."""
+    """Columns [real, ...) of this rank's part to -inf with zero gradient: in place
+    (ops.mask_padding; a DTensor's local columns), or, on a view autograd forbids changing in
+    place, a masked copy ((..., columns) once; its backward zeroes the same columns)."""
+    if dtensor_of(logits) is not None:
+        if logits.requires_grad and torch.is_grad_enabled():
+            out: torch.Tensor = _MaskShard.apply(logits, real)  # type: ignore[no-untyped-call]
+            return out
+        cast(Any, logits).to_local()[..., real:].fill_(float("-inf"))
+        return logits
     # Traced, ops.mask_padding is out of place already (and grad_fn is no thing to trace).
     if not compiling() and logits.requires_grad and torch.is_grad_enabled() \
             and _function_view(logits):
@@ -56,11 +85,12 @@ def mask_columns(logits: torch.Tensor, real: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class HeadOutput:
     """The logits in a head's output: this rank's `columns` of them (measured), the tensor
-    the mask goes on (the same, or all the columns where the head gathered them) with its
-    first padding column, and how to put a masked one back into the output."""
+    the mask goes on (the same; the DTensor they are the local part of; all the columns,
+    where the head gathered them) with its first padding column in this rank's part, and how
+    to put a masked one back into the output."""
 
-    columns: torch.Tensor  # (..., shard's columns): this rank's
-    masked: torch.Tensor  # (..., columns or rows)
+    columns: torch.Tensor  # (..., shard's columns): this rank's, a plain tensor
+    masked: torch.Tensor  # (..., columns or rows), or a DTensor
     real: int
     put: Callable[[torch.Tensor], Any]
 
@@ -87,15 +117,16 @@ def head_output(out: Any, c: Columns) -> HeadOutput | None:
                           lambda t: (first.put(t), *out[1:]))
     if not isinstance(out, torch.Tensor) or out.dim() == 0:
         return None
+    # A DTensor is masked as it is, on its local part (its layout kept, no copy).
     mine = local(out)
-
-    def put(t: torch.Tensor) -> Any:
-        return rewrap(out, t)
-
     if mine.shape[-1] == c.columns:
-        return HeadOutput(mine, mine, c.real_columns, put)
+        return HeadOutput(mine, out, c.real_columns, _same)
     if c.shard is not None and mine.shape[-1] == c.rows:
-        # Gathered by the head (ColwiseParallel(output_layouts=Replicate()), Megatron's
-        # gather_output): every rank holds every column, and measures its own.
-        return HeadOutput(mine[..., c.shard[0] : c.shard[1]], mine, c.real, put)
+        # Gathered (ColwiseParallel(output_layouts=Replicate()) seen after its gather,
+        # Megatron's gather_output): every rank holds every column, and measures its own.
+        return HeadOutput(mine[..., c.shard[0] : c.shard[1]], out, c.real, _same)
     return None
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -53,6 +53,7 @@ class ProbeConfig:
     # The ranks holding the other shards, whose parts the padding mass combines at each read
     # (guard/device/shard_mass.py); None: the head's columns are all there is here.
     tp_group: Any = None
+    dtensor_head: bool = False  # the head's weight is a DTensor split by tensor parallel
 
     @property
     def head_columns(self) -> Columns:
@@ -69,6 +70,7 @@ class ProbeConfig:
             nonfinite=policy.enabled("nonfinite"), token_range=policy.enabled("token_range"),
             ignore_index=c.token_range.ignore_index, shard=sizes.shard,
             tp_group=None if sizes.tp is None else sizes.tp.group,
+            dtensor_head=sizes.tp is not None and sizes.tp.dtensor,
         )
 
 

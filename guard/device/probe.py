@@ -150,7 +150,10 @@ class Probe:
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
         if c.padding_mass or c.mask or c.nonfinite:
-            handles.append(hook(heads.lm_head, self._head_post, kind="forward"))
+            # Ahead of tensor parallel's own output hook, which may gather the logits or
+            # hand out a local view autograd forbids masking in place: the head's DTensor.
+            handles.append(hook(heads.lm_head, self._head_post, kind="forward",
+                                prepend=c.dtensor_head))
             if heads.final_norm is not None:
                 handles.append(hook(heads.final_norm, self._hidden_post, kind="forward"))
             handles += self.site.install(model, heads.lm_head_name)
@@ -187,9 +190,8 @@ class Probe:
             self.flags.mark(coverage.SEEN["logits"])
         if found.masked is found.columns:
             masked = self.site.at_head(found.columns, module.training)
-        else:  # gathered: this rank measures its columns, and masks all of them
-            masked = self.site.at_gathered(found.columns, found.masked, found.real,
-                                           module.training)
+        else:  # a DTensor, or gathered: this rank measures its columns, masks the whole
+            masked = self.site.at_part(found.columns, found.masked, found.real, module.training)
         return None if masked is None or masked is found.masked else found.put(masked)
 
     def _hidden_post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:

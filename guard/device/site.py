@@ -154,10 +154,11 @@ class LogitsSite:
         self._head_outs.append(logits if masked is None else masked)
         return masked
 
-    def at_gathered(self, columns: torch.Tensor, logits: torch.Tensor, real: int,
-                    training: bool) -> torch.Tensor | None:
-        """A vocab-parallel head that gathered every column on every rank: measured on this
-        rank's `columns` (a view of `logits`), masked on all of them from `real` on."""
+    def at_part(self, columns: torch.Tensor, logits: torch.Tensor, real: int,
+                training: bool) -> torch.Tensor | None:
+        """A vocab-parallel head's output of which `columns` are this rank's (a DTensor's
+        local part, or a slice of every column gathered on every rank): measured there,
+        masked in `logits` from its local column `real` on."""
         if training:
             with torch.no_grad():
                 self.logits.measure(columns.detach())
