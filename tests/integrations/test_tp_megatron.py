@@ -5,24 +5,18 @@ tp_models.MegatronLM on 2 and on 4 tensor-parallel ranks, every case in one laun
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integrations.test_distributed import DIST, run_ranks
-from tests.integrations.tp_checks import CHECKS
+from tests.integrations.test_distributed import DIST
+from tests.integrations.tp_checks import CHECKS, launched
 
-WORKER = Path(__file__).with_name("tp_worker.py")
 MEGATRON = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                               reason="needs megatron-core (pip install -e '.[tp]')")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
-def megatron(request: pytest.FixtureRequest,
-             tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(tmp_path_factory.mktemp(f"megatron{request.param}"), "megatron",
-                     nproc=request.param, worker=WORKER)[0]
+megatron = launched("megatron")
 
 
 @pytest.mark.slow

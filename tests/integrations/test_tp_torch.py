@@ -6,23 +6,17 @@ which is killed under its timeout."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.integrations.test_distributed import DIST, run_ranks
-from tests.integrations.tp_checks import CHECKS, HAND, REAL, WHOLE_ROWS
+from tests.integrations.tp_checks import CHECKS, HAND, REAL, WHOLE_ROWS, WORKER, launched
 
-WORKER = Path(__file__).with_name("tp_worker.py")
 FORMS = ("dtensor", "local", "gathered")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
-def torch_tp(request: pytest.FixtureRequest,
-             tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(tmp_path_factory.mktemp(f"tp{request.param}"), "torch",
-                     nproc=request.param, worker=WORKER)[0]
+torch_tp = launched("torch")
 
 
 @pytest.mark.slow

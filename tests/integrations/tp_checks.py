@@ -4,17 +4,34 @@ results of tp_worker.py's cases, rank by rank."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.integrations.test_distributed import run_ranks
 from tests.integrations.tp_models import REAL
+
+WORKER = Path(__file__).with_name("tp_worker.py")
 
 WHOLE_ROWS = 1024
 # A head sharded by hand (vocab_shard=) masked, stopped at ghosts and NaNs before issue 31
 # already; its padding mass was its shard's, against the whole vocab's threshold: the cases
 # it runs.
 HAND = ("healthy", "garbage")
+
+
+def launched(mode: str) -> Any:
+    """A module fixture: every rank's results of tp_worker.py's `mode`, one launch on 2 and
+    one on 4 ranks."""
+
+    @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
+    def ranks(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+        out = tmp_path_factory.mktemp(f"{mode}{request.param}")
+        return run_ranks(out, mode, nproc=request.param, worker=WORKER)[0]
+
+    return ranks
 
 
 def assert_healthy_is_quiet(ranks: list[dict[str, Any]]) -> None:
