@@ -46,11 +46,12 @@ def full_weights(rows: int, *, garbage: bool = False, untrained: tuple[int, ...]
 
 
 def batch(step: int, *, ghost: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and labels of the real vocab; `ghost`: one label is a padding id."""
+    """(B, T) ids and labels of the real vocab; `ghost`: one input id and one label are
+    padding ids (global ids: the vocab-parallel embedding takes them so)."""
     g = torch.Generator().manual_seed(1000 * seed + step)
     x, y = (torch.randint(0, REAL, (B, T), generator=g) for _ in range(2))
     if ghost:
-        y[0, 0] = REAL + 7
+        x[1, 2], y[0, 0] = REAL + 3, REAL + 7
     return x, y
 
 

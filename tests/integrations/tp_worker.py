@@ -206,7 +206,7 @@ def ghost(run: Run) -> dict[str, Any]:
     model = run.build(run.weights())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out: dict[str, Any] = {"raised_at": None}
-    with run.attach(model, DEFAULT, opt):
+    with run.attach(model, DEFAULT, opt) as g:
         for n in range(1, STEPS + 1):
             before = head_weight(model).detach().clone()
             try:
@@ -215,6 +215,7 @@ def ghost(run: Run) -> dict[str, Any]:
                 out.update(raised_at=n, violation=violation(e),
                            unchanged=torch.equal(before, head_weight(model)))
                 break
+    out["out_of_range"] = g.stats["out_of_range"]
     return out
 
 
