@@ -223,7 +223,7 @@ def attach(
     optimizer: Any = None,
     embedding: nn.Module | None = None,
     lm_head: nn.Module | None = None,
-    vocab_shard: tuple[int, int] | None = None,
+    vocab_shard: tuple[int, int] | tuple[int, int, Any] | None = None,
     steps: Steps = "auto",
     loss_shares: LossShares | None = None,
     loss_scale: float = 1.0,
@@ -232,8 +232,10 @@ def attach(
     """Hook the embedding and lm_head of `model` and check every step (DESIGN.md).
 
     `optimizer`: a torch optimizer, or a framework's wrapper of one (accelerate, Lightning,
-    DeepSpeed). `vocab_shard=(start, end)`: the lm_head is this rank's shard of a
-    vocab-parallel head, its columns are the global token ids [start, end)
+    DeepSpeed). `vocab_shard=(start, end)`: the lm_head, sharded by hand, is this rank's
+    shard of a vocab-parallel head, its columns the global token ids [start, end), with the
+    process group of the other shards' ranks as a third element where the world is not the
+    tensor-parallel group; a DTensor head or Megatron's layers say it themselves
     (docs/integrations.md, tensor parallel). `steps="manual"`: only `g.step()` marks step
     boundaries. `loss_shares`: the step's loss is the last micro-batch's, the `"sum"` of their
     losses (HF Trainer), or their `"mean"` (the default under accelerate's gradient
@@ -258,6 +260,9 @@ def attach(
                           caller=a.caller))
     g._open(a.local_rank)
     inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
-    log.info("guard attached to %s / %s%s: %s", heads.embedding_name, heads.lm_head_name, inside,
-             str(sizes.audit).splitlines()[0])
+    tp = sizes.tp
+    shard = "" if tp is None else (f"; this rank's head columns are the ids [{tp.start}, "
+                                   f"{tp.end}) of {tp.rows} ({tp.source}, {tp.degree} ranks)")
+    log.info("guard attached to %s / %s%s: %s%s", heads.embedding_name, heads.lm_head_name,
+             inside, str(sizes.audit).splitlines()[0], shard)
     return g

@@ -81,9 +81,11 @@ def _stats(f: PaddingMass) -> Stats:
 
 def _describe(f: PaddingMass, c: Context) -> Found:
     top, mean = f.loss_max, f.mean or 0.0
-    padding, real = c.rows - c.real, c.real
-    limit = bound(c.policy, real, c.rows)
-    healthy = padding / c.rows  # each padding column at an average real id's probability
+    # Over the whole vocab, or the columns of a shard alone in its process: the threshold's.
+    real, columns = c.mass or (c.real, c.rows)
+    padding, limit = columns - real, bound(c.policy, real, columns)
+    of = "" if c.mass is None else f" (over this shard's {columns} columns, the others' absent)"
+    healthy = padding / columns  # each padding column at an average real id's probability
     times = top * real / (padding * (1.0 - top)) if top < 1.0 else float("inf")
     share = f"{fmt(times)}x" if times < 1e6 else "over 1e6x"
     expected = (f"expected <= {limit:g} (checks.padding_mass.threshold)"
@@ -100,7 +102,8 @@ def _describe(f: PaddingMass, c: Context) -> Found:
                "(docs/integrations.md, fused heads): then the padding takes no part in the loss.")
     return Found(top, limit, kind="a fused head" if f.fused else "", text=(
         f"the loss trained on {fmt(top)} of the probability (mean {fmt(mean)}) on the "
-        f"{padding} padding columns [{c.real}, {c.rows}): {expected}; {c.next}. {fix}"))
+        f"{c.rows - c.real} padding columns [{c.real}, {c.rows}){of}: {expected}; {c.next}. "
+        f"{fix}"))
 
 
 SPEC = Spec("padding_mass", (SUM, COUNT, MAX, LOSS_MAX, FUSED, LSE_SUM, LSE_MAX),

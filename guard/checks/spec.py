@@ -101,6 +101,9 @@ class Context:
     # What the check's state adds on the host (guard/stateful/): the ids and their tokens, the
     # weights it read; "" where the check keeps none.
     detail: str = ""
+    # (real, columns) of the softmax the padding mass was measured over, where it is not the
+    # whole vocab's (a vocab-parallel shard alone in its process): its threshold's.
+    mass: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from guard.checks import coverage, token_range
+from guard.device.dtensors import local, rewrap
 from guard.device.flags import Flags
 from guard.device.hooks import Handle, hook
 from guard.device.labels import LabelsArg
@@ -54,7 +55,8 @@ class IdHooks:
     def _embedding_pre(self, module: nn.Module, args: tuple[Any, ...]) -> Any:
         if not (module.training and args and isinstance(args[0], torch.Tensor)):
             return None
-        ids = args[0]
+        given = args[0]
+        ids = local(given)  # tensor parallel's embedding plans hand it a DTensor of global ids
         if ids.is_floating_point():  # embeddings of something else
             return None
         for w in self._watchers["input"]:
@@ -68,7 +70,7 @@ class IdHooks:
             # assert that kills the process) before the guard could say anything: it is
             # replaced by id 0 and counted, and the read says where it was.
             safe = within_rows(ids, self.cfg.input_rows, 0)
-        return (safe, *args[1:])
+        return (rewrap(given, safe), *args[1:])
 
     def labels(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                fused: bool) -> Any:
@@ -79,9 +81,10 @@ class IdHooks:
         checked = training and self.cfg.token_range
         if not (checked or fused or counting):
             return None
-        at, labels = self.labels_arg.find(args, kwargs)
-        if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+        at, given = self.labels_arg.find(args, kwargs)
+        if not isinstance(given, torch.Tensor) or given.is_floating_point():
             return None
+        labels = local(given)
         for w in counting:
             w.count("label", labels)
         if not (checked or fused):
@@ -96,8 +99,9 @@ class IdHooks:
             # none), counted above; with the fused head cut to the real rows, a label past
             # them. Negative labels stay: they are the loss's own ignore value (HF -100,
             # nanoGPT -1), or a setting the message names.
-            safe = within_rows(labels, self.cfg.real if fused else self.cfg.rows,
-                               -100 if ignore is None else ignore, negative=False)
+            safe = rewrap(given, within_rows(labels, self.cfg.real if fused else self.cfg.rows,
+                                             -100 if ignore is None else ignore,
+                                             negative=False))
         if isinstance(at, str):
             return args, {**kwargs, at: safe}
         if isinstance(at, int):

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from guard.checks import coverage, nonfinite, padding_mass
 from guard.device.compile import compiling
+from guard.device.dtensors import Columns, local
 from guard.device.flags import Flags
 from guard.device.ops import (
     chunk_positions,
@@ -24,6 +26,7 @@ from guard.device.ops import (
     sample_positions_at,
     sample_size,
 )
+from guard.device.shard_mass import ShardedMass, shard_parts
 from guard.policy import Policy
 from guard.vocab.resolve import Sizes
 
@@ -46,6 +49,15 @@ class ProbeConfig:
     nonfinite: bool
     token_range: bool
     ignore_index: int | None
+    shard: tuple[int, int] | None = None  # the global ids of the head's columns (None: all)
+    # The ranks holding the other shards, whose parts the padding mass combines at each read
+    # (guard/device/shard_mass.py); None: the head's columns are all there is here.
+    tp_group: Any = None
+    dtensor_head: bool = False  # the head's weight is a DTensor split by tensor parallel
+
+    @property
+    def head_columns(self) -> Columns:
+        return Columns(self.columns, self.real_columns, self.shard, self.rows, self.real)
 
     @classmethod
     def from_policy(cls, policy: Policy, sizes: Sizes) -> ProbeConfig:
@@ -56,7 +68,9 @@ class ProbeConfig:
             padding_mass=policy.enabled("padding_mass"), mask=policy.masks,
             sample_tokens=c.padding_mass.sample_tokens, exact=c.padding_mass.exact,
             nonfinite=policy.enabled("nonfinite"), token_range=policy.enabled("token_range"),
-            ignore_index=c.token_range.ignore_index,
+            ignore_index=c.token_range.ignore_index, shard=sizes.shard,
+            tp_group=None if sizes.tp is None else sizes.tp.group,
+            dtensor_head=sizes.tp is not None and sizes.tp.dtensor,
         )
 
 
@@ -70,6 +84,9 @@ class Logits:
         # The sampling offset as a device tensor too, for compiled forwards (`_sample`).
         self._offset = torch.zeros((), dtype=torch.int64)
         self._buffer: torch.Tensor | None = None  # `_scratch`
+        # A vocab-parallel head's padding mass: its parts kept until the read combines them.
+        self.sharded = ShardedMass(flags, cfg.tp_group) \
+            if cfg.padding_mass and cfg.tp_group is not None else None
 
     def begin(self, step: int) -> None:
         """A new step starts: move the sampling offset (a device write, never a read)."""
@@ -95,10 +112,11 @@ class Logits:
         positions, from the final hidden states, measured as the head's would be. The mask
         cannot reach a fused kernel's logits (the verdict says so), unless the kernel was
         handed the real rows (`masked`, guard/device/fused.py)."""
-        weight = getattr(head, "weight", None)
+        weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
         if not isinstance(weight, torch.Tensor) or hidden.shape[-1] != weight.shape[-1]:
             return
-        bias = getattr(head, "bias", None)
+        hidden, weight = local(hidden), local(weight)  # a vocab-parallel head: its columns
+        bias = local(bias) if isinstance(bias, torch.Tensor) else None
         f = self.flags
         f.follow(hidden.device)
         f.mark(coverage.SEEN["logits"])
@@ -149,6 +167,15 @@ class Logits:
         c, f = self.cfg, self.flags
         real = c.real_columns
         if positions.shape[0] == 0:  # an empty batch: nothing seen, nothing to count
+            return
+        if self.sharded is not None:  # its figures are the whole vocab's, at the read
+            per_chunk = chunk_positions(c.columns, positions.device, forward)
+            with nullcontext() if c.exact else one_thread(positions.device):
+                parts = shard_parts(positions, real, per_chunk,
+                                    self._scratch(positions, per_chunk))
+            self.sharded.add(parts, masked=masked)
+            if c.nonfinite:  # this rank's columns: a NaN is named where it is
+                f.put(nonfinite.LOGITS, nonfinite_count(parts[0]))
             return
         if c.padding_mass and real < c.columns:
             per_chunk = chunk_positions(c.columns, positions.device, forward)

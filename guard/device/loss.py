@@ -31,6 +31,7 @@ from guard.checks import coverage, nonfinite
 from guard.checks import loss as step_loss
 from guard.checks import loss_spike as spike_check
 from guard.device.compile import compiling
+from guard.device.dtensors import local
 from guard.device.flags import Flags
 from guard.device.ops import nonfinite_count
 from guard.errors import AttachError
@@ -152,7 +153,7 @@ class StepLoss:
         if not compiling() and (loss is self._src or (
                 self._folded is not None and self._folded() is loss)):
             return
-        value = loss.detach()
+        value = local(loss).detach()  # loss_parallel's is a replicated DTensor
         if self._value is not None and self.shares != "last" and given == self._given:
             # Shares of one step's loss, all from the forward or all given (a loss function
             # outside the model): a non-finite share makes the sum non-finite.

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from guard.checks import coverage, grads, nonfinite
+from guard.device.dtensors import head_output, local
 from guard.device.flags import Flags
 from guard.device.fused import FusedHead
 from guard.device.hooks import Handle, hook
@@ -71,8 +72,8 @@ class Probe:
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
                     loss_shares: LossShares = "last", loss_scale: float = 1.0) -> Probe:
         device = next((p.device for p in heads.head_holder.parameters()), torch.device("cpu"))
-        flags = Flags.from_policy(policy, device, rank, real=sizes.real_columns,
-                                  columns=sizes.columns)
+        real, columns = sizes.mass_over  # the softmax the padding mass is over
+        flags = Flags.from_policy(policy, device, rank, real=real, columns=columns)
         loss = StepLoss.from_policy(policy, flags, shares=loss_shares, scale=loss_scale)
         return cls(ProbeConfig.from_policy(policy, sizes), flags, loss)
 
@@ -112,6 +113,8 @@ class Probe:
         for state in self.states:
             if weights or state.at_detach:
                 state.check()
+        if self.logits.sharded is not None:  # every rank of a vocab-parallel head's group
+            self.logits.sharded.combine(reduce=reduce)
         if self._skips_watched:
             self.flags.put(grads.WATCHED, 1.0)
         return self.flags.read(lagged=lagged, reduce=reduce)
@@ -147,7 +150,10 @@ class Probe:
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
         if c.padding_mass or c.mask or c.nonfinite:
-            handles.append(hook(heads.lm_head, self._head_post, kind="forward"))
+            # Ahead of tensor parallel's own output hook, which may gather the logits or
+            # hand out a local view autograd forbids masking in place: the head's DTensor.
+            handles.append(hook(heads.lm_head, self._head_post, kind="forward",
+                                prepend=c.dtensor_head))
             if heads.final_norm is not None:
                 handles.append(hook(heads.final_norm, self._hidden_post, kind="forward"))
             handles += self.site.install(model, heads.lm_head_name)
@@ -169,18 +175,24 @@ class Probe:
 
     def _head_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training and args and isinstance(args[0], torch.Tensor):
-            self.flags.follow(args[0].device)
+            hidden = local(args[0])  # a DTensor's: tensor parallel hands the head one
+            self.flags.follow(hidden.device)
             with torch.no_grad():
-                self.flags.put(nonfinite.HIDDEN, nonfinite_positions(args[0]))
+                self.flags.put(nonfinite.HIDDEN, nonfinite_positions(hidden))
 
-    def _head_post(self, module: nn.Module, args: tuple[Any, ...], logits: Any) -> Any:
-        if not isinstance(logits, torch.Tensor) or logits.shape[-1] != self.cfg.columns:
+    def _head_post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+        found = head_output(out, self.cfg.head_columns)
+        if found is None:
             return None
         if module.training:
             self._head_called = True
-            self.flags.follow(logits.device)
+            self.flags.follow(found.columns.device)
             self.flags.mark(coverage.SEEN["logits"])
-        return self.site.at_head(logits, module.training)
+        if found.masked is found.columns:
+            masked = self.site.at_head(found.columns, module.training)
+        else:  # a DTensor, or gathered: this rank measures its columns, masks the whole
+            masked = self.site.at_part(found.columns, found.masked, found.real, module.training)
+        return None if masked is None or masked is found.masked else found.put(masked)
 
     def _hidden_post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if module.training and isinstance(out, torch.Tensor):

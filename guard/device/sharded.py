@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from guard.errors import AttachError
+from guard.vocab.parallel import held_block, on_rows
 
 __all__ = ["RowShard", "register_sharded"]
 
@@ -29,7 +30,9 @@ class RowShard:
     first: int
     count: int
     dtensor: bool = False
-    group: Any = None  # the process group of the sharded mesh dimension; None: not sharded
+    # The process group of the mesh dim that splits the rows, a tuple of them for several
+    # (FSDP2 over tensor parallel); None: not sharded.
+    group: Any = None
 
     @classmethod
     def of(cls, weight: torch.Tensor, name: str, check: str = "padding_rows") -> RowShard:
@@ -41,36 +44,41 @@ class RowShard:
         if dt is None or not isinstance(weight, dt.DTensor):
             return cls(weight, 0, rows)
         placements = tuple(weight.placements)
-        sharded = [i for i, p in enumerate(placements) if not p.is_replicate()]
-        # Shard(0) itself: under _StridedShard (FSDP2 over tensor parallel) a rank's rows are
-        # not one block of the whole weight; Shard(1) splits each row's norm over ranks.
-        if len(sharded) > 1 or any(type(placements[i]) is not dt.Shard
-                                   or not placements[i].is_shard(0) for i in sharded):
+        sharded = tuple(i for i, p in enumerate(placements) if not p.is_replicate())
+        # Rows in one block of the whole weight on every mesh dim that splits it: FSDP2's
+        # Shard(0), tensor parallel's, FSDP2 over it (_StridedShard(0), Shard(0)); Shard(1)
+        # splits each row's norm over ranks.
+        held = None if any(not on_rows(placements[i]) for i in sharded) else \
+            held_block(rows, weight, sharded)
+        if held is None:
             raise AttachError(
                 f"{check} reads the rows of {name} that this rank holds, but it is a "
-                f"DTensor with placements {placements}: the guard reads weights sharded by "
-                "rows on one mesh dimension (Shard(0), as fully_shard does) or replicated. Set "
+                f"DTensor with placements {placements}: the guard reads weights whose rows "
+                "each rank holds in one block (Shard(0) on the mesh dims that split them, as "
+                "fully_shard and tensor parallel's vocab plans do) or replicated. Set "
                 f"checks.{check}.action: off to attach without it (those rows are then neither "
                 "checked nor repaired; the other checks and the mask still work)")
         if not sharded:
             return cls(weight, 0, rows, dtensor=True)
         mesh = weight.device_mesh
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:  # this rank is outside the mesh: it holds no row
-            return cls(weight, rows, 0, dtensor=True)
-        # DTensor splits a sharded dimension as torch.chunk does: ceil(rows / n) rows per
-        # rank, the last ranks fewer or none.
-        dim = sharded[0]
-        per_rank = -(-rows // mesh.size(dim))
-        first = min(coordinate[dim] * per_rank, rows)
-        shard = cls(weight, first, min(per_rank, rows - first), dtensor=True,
-                    group=mesh.get_group(dim))
+        groups = tuple(mesh.get_group(d) for d in sharded)
+        shard = cls(weight, held[0], held[1], dtensor=True,
+                    group=groups[0] if len(groups) == 1 else groups)
         if (local := shard.local().shape[0]) != shard.count:
             raise AttachError(
                 f"{check}: this rank's shard of {name} has {local} rows, expected "
-                f"{shard.count} (rows [{first}, {first + shard.count}) of {rows}, split as "
-                f"torch.chunk does); set checks.{check}.action: off to attach without it")
+                f"{shard.count} (rows [{shard.first}, {shard.first + shard.count}) of {rows}, "
+                f"split as DTensor splits them); set checks.{check}.action: off to attach "
+                "without it")
         return shard
+
+    def all_reduce(self, t: torch.Tensor, op: Any = None) -> None:
+        """`t` summed (or `op`) over the ranks that hold the other rows, in place: over each
+        mesh dim that splits them in turn (a 2-D mesh: its dp dim, then its tp dim)."""
+        groups = self.group if isinstance(self.group, tuple) else (self.group,)
+        for group in groups:
+            if group is not None:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
 
     def local(self) -> torch.Tensor:
         """The rows this rank holds, (count, d): the storage itself, so writes are in place.
@@ -106,8 +114,7 @@ class RowShard:
             total = held.new_zeros(held.shape[1:], dtype=torch.float32)
             for i in range(0, held.shape[0], _BLOCK):
                 total += mine[i : i + _BLOCK] @ held[i : i + _BLOCK].float()  # (d,)
-        if self.group is not None:
-            dist.all_reduce(total, group=self.group)
+        self.all_reduce(total)
         if keep is None:
             return total / max(end, 1)
         return total / keep[:end].sum().clamp_min(1).to(total)
@@ -119,8 +126,7 @@ class RowShard:
         number, a collective (at attach), so every rank of that group calls it."""
         rows = self.local().detach()[: self._held(end)].float()
         largest = rows.norm(dim=-1).amax() if rows.shape[0] else rows.new_zeros(())
-        if self.group is not None:
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        self.all_reduce(largest, dist.ReduceOp.MAX)
         return largest
 
 

@@ -15,9 +15,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from guard.device.dtensors import mask_columns
 from guard.device.hooks import Handle, wrap_loss
 from guard.device.logits import Logits, ProbeConfig
-from guard.device.ops import mask_padding
 from guard.vocab.real import config_levels
 
 __all__ = ["LogitsSite", "Where", "changed", "find_logits", "find_loss", "loss_owner",
@@ -154,6 +154,18 @@ class LogitsSite:
         self._head_outs.append(logits if masked is None else masked)
         return masked
 
+    def at_part(self, columns: torch.Tensor, logits: torch.Tensor, real: int,
+                training: bool) -> torch.Tensor | None:
+        """A vocab-parallel head's output of which `columns` are this rank's (a DTensor's
+        local part, or a slice of every column gathered on every rank): measured there,
+        masked in `logits` from its local column `real` on."""
+        if training:
+            with torch.no_grad():
+                self.logits.measure(columns.detach())
+        masked = mask_columns(logits, real) if self.cfg.mask else None
+        self._head_outs.append(logits if masked is None else masked)
+        return masked
+
     def at_loss(self, logits: Any) -> Any:
         """The logits the model hands its HF loss function (hooks.wrap_loss)."""
         if not isinstance(logits, torch.Tensor) or logits.shape[-1] != self.cfg.columns:
@@ -218,4 +230,4 @@ class LogitsSite:
         return self._mask(logits)  # after measuring: the mass reported is the one it removed
 
     def _mask(self, logits: torch.Tensor) -> torch.Tensor | None:
-        return mask_padding(logits, self.cfg.real_columns) if self.cfg.mask else None
+        return mask_columns(logits, self.cfg.real_columns) if self.cfg.mask else None

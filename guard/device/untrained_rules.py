@@ -10,7 +10,6 @@ every rank decides alike.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from guard.device.sharded import RowShard
 from guard.vocab.untrained_rules import SAME, SMALL, ZERO
@@ -55,8 +54,7 @@ def row_features(shard: RowShard, real: int) -> tuple[torch.Tensor, torch.Tensor
             bits = _pieces(block)  # (b, m)
             for j in range(2):
                 prints[at, j] = (bits * weights[j]).sum(dim=1)
-    if shard.group is not None:
-        dist.all_reduce(packed, group=shard.group)
+    shard.all_reduce(packed)
     return features, prints
 
 

@@ -35,7 +35,7 @@ class GuardedTraining:
         tokenizer: Any = None,
         embedding: nn.Module | None = None,
         lm_head: nn.Module | None = None,
-        vocab_shard: tuple[int, int] | None = None,
+        vocab_shard: tuple[int, int] | tuple[int, int, Any] | None = None,
     ) -> None:
         self.policy = guard.load_policy(policy)  # a bad policy fails when the callback is built
         self.vocab_size, self.tokenizer, self.vocab_shard = vocab_size, tokenizer, vocab_shard

@@ -10,7 +10,7 @@ from torch import nn
 
 from guard.checks import padding_rows
 from guard.device.reading import Reading
-from guard.device.rows import PaddingRows
+from guard.device.rows import PaddingRows, vocab_weights
 from guard.policy import Action
 from guard.stateful.state import Attaching, CheckState
 
@@ -23,22 +23,30 @@ class PaddingRowsState(CheckState):
     spec = padding_rows.SPEC
     at_detach = False  # reads the weights
 
-    def __init__(self, rows: PaddingRows | None, action: Action, real: int, total: int) -> None:
+    def __init__(self, rows: PaddingRows | None, action: Action, real: int, total: int, *,
+                 sharded: bool = False) -> None:
         # None where no weight has a padding row on this process (a vocab-parallel shard of
         # real ids only): it checks nothing, the other ranks report theirs.
         self.rows = rows
         self.action = action
         self.real, self.total = real, total  # of the whole vocab: the padding ids [real, total)
+        self.sharded = sharded  # the rows are a vocab-parallel shard's: some rank holds them
+        self.names = "the padding rows" if rows is None else rows.names
 
     @classmethod
     def attach(cls, at: Attaching) -> PaddingRowsState:
         s = at.sizes
-        return cls(PaddingRows.of(at.flags, at.heads, s.first_padding),
-                   at.policy.action("padding_rows"), s.real, s.rows)
+        state = cls(PaddingRows.of(at.flags, at.heads, s.first_padding),
+                    at.policy.action("padding_rows"), s.real, s.rows, sharded=s.shard is not None)
+        if state.sharded:  # every rank names them alike, whichever holds padding rows
+            state.names = " and ".join(h.name for h in vocab_weights(at.heads, s.first_padding))
+        return state
 
     @property
     def reads_at_attach(self) -> bool:
-        return self.rows is not None
+        # The same on every rank: the attach read is a collective, and under a vocab-parallel
+        # head the ranks whose shard holds no padding row take part in it all the same.
+        return self.rows is not None or (self.sharded and self.real < self.total)
 
     def check(self) -> None:
         if self.rows is not None:
@@ -46,7 +54,7 @@ class PaddingRowsState(CheckState):
 
     def detail(self, reading: Reading, *, reduce: bool) -> str:
         """The weights whose padding rows are checked, by name."""
-        return "the padding rows" if self.rows is None else self.rows.names
+        return self.names
 
     def repair(self) -> None:
         if self.rows is not None:

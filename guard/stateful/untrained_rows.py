@@ -62,11 +62,13 @@ class UntrainedRowsState(CheckState):
     @classmethod
     def attach(cls, at: Attaching) -> UntrainedRowsState | None:
         """The untrained rows of the embedding and an untied head (None: the head is a
-        vocab-parallel shard, which it does not read)."""
+        vocab-parallel shard held as a plain tensor, Megatron's or one sharded by hand, which
+        it does not read; a DTensor's rows it reads in global numbers)."""
         sizes, heads = at.sizes, at.heads
-        if sizes.shard is not None:
-            log.info("guard: untrained_rows does not read a vocab-parallel head (vocab_shard=%s):"
-                     " run `guard audit` on the checkpoint instead", sizes.shard)
+        if sizes.tp is not None and not sizes.tp.dtensor:
+            log.info("guard: untrained_rows does not read a vocab-parallel head held as a plain "
+                     "tensor (%s, ids %s): run `guard audit` on the checkpoint instead",
+                     sizes.tp.source, sizes.shard)
             return None
         rules = at.policy.checks.untrained_rows
         found = []

@@ -15,7 +15,7 @@ from torch import nn
 
 from guard.device.hooks import Handle, hook
 from guard.policy import Action, Policy
-from guard.step.localise import Inputs, Localiser, capture, rerun
+from guard.step.localise import Inputs, Localiser, RerunFailed, capture, rerun
 from guard.step.verdict import Note, Verdict
 
 __all__ = ["Episodes"]
@@ -87,7 +87,12 @@ class Episodes:
             # the parameters (guard/stateful/nonfinite.py).
             return verdict, note
         if rerun_now and self.inputs is not None:
-            finding = rerun(self.model, self.inputs)
+            try:
+                finding = rerun(self.model, self.inputs)
+            except RerunFailed as e:
+                found[i] = replace(v, message=f"{v.message} Localisation: the re-run of the last "
+                                   f"forward raised {e} (logged above): not localised.")
+                return Verdict(tuple(found)), note
             if finding is None:
                 why = ("every module output was finite on a re-run of the last forward: the "
                        "value arose outside the modules (the loss?) or in an earlier micro-batch")

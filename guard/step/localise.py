@@ -18,6 +18,7 @@ module finishes, so the first flagged call is the innermost module that produced
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,10 +28,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from guard.device.dtensors import local
 from guard.device.hooks import hook
 from guard.device.sharded import register_sharded
+from guard.vocab.parallel import dtensor_of
 
-__all__ = ["Finding", "Inputs", "Localiser", "any_nonfinite", "capture", "rerun"]
+__all__ = ["Finding", "Inputs", "Localiser", "RerunFailed", "any_nonfinite", "capture",
+           "rerun"]
 
 log = logging.getLogger("guard")
 
@@ -46,6 +50,7 @@ def any_nonfinite(obj: Any, depth: int = 0) -> torch.Tensor | None:
     masks), so it does not count.
     """
     if isinstance(obj, torch.Tensor):
+        obj = local(obj)  # a DTensor: this rank's part, as every rank localises its own
         # x < inf is False exactly for NaN and +Inf: one comparison and one reduction.
         return (obj < float("inf")).all().logical_not() if obj.is_floating_point() else None
     if depth >= _MAX_DEPTH:
@@ -150,21 +155,37 @@ def capture(args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str) -> 
                   torch.get_autocast_dtype(device_type))
 
 
+class RerunFailed(Exception):
+    """The re-run of the last forward raised (logged): nothing is localised."""
+
+
+def _parallel_loss(model: nn.Module) -> Any:
+    """torch's loss_parallel where the model holds DTensors: a forward that computed its loss
+    under it (a vocab-parallel head's DTensor logits) fails outside it; on other DTensors
+    (FSDP2's) it changes nothing."""
+    if not any(dtensor_of(p) is not None for p in model.parameters()):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def rerun(model: nn.Module, inputs: Inputs) -> Finding | None:
-    """Repeat a forward with flag hooks armed; never raises into training (logs instead)."""
+    """Repeat a forward with flag hooks armed; never raises into training but RerunFailed
+    (logged)."""
     modes = [(m, m.training) for m in model.modules()]
     loc = Localiser(model, training_only=False)
     loc.arm()
     try:
         model.eval()
         with torch.no_grad(), torch.autocast(inputs.device_type, dtype=inputs.autocast_dtype,
-                                             enabled=inputs.autocast):
+                                             enabled=inputs.autocast), _parallel_loss(model):
             model(*inputs.args, **inputs.kwargs)
         return loc.first()
-    except Exception:
+    except Exception as e:
         log.warning("guard: the re-run to localise the non-finite value failed; "
                     "set checks.nonfinite.localise: false to skip it", exc_info=True)
-        return None
+        raise RerunFailed(f"{type(e).__name__}") from None
     finally:
         loc.disarm()
         for m, mode in modes:

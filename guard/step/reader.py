@@ -75,7 +75,7 @@ class Reader:
             s.check_name: s.detail(reading, reduce=when != "detach") for s in fired})
         verdict = judge(reading, self._policy, step=step, real=self._sizes.real_rows,
                         rows=self._sizes.rows, head=self._names.head,
-                        real_from=self._sizes.found.source)
+                        real_from=self._sizes.found.source, mass=self._sizes.mass_over)
         if self._episodes is not None:
             verdict, note = self._episodes.annotate(verdict, rerun_now=in_step, step=now,
                                                     rank=record.rank)

@@ -79,13 +79,15 @@ class Verdict:
 
 
 def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
-          head: str = "lm_head", real_from: str = "") -> Verdict:
+          head: str = "lm_head", real_from: str = "",
+          mass: tuple[int, int] | None = None) -> Verdict:
     """The verdict on the all-rank figures, so every rank decides alike: each enabled check
     that fired, described by its spec (guard/checks/), in the table's order (cause first).
 
     `real` and `rows`: the whole head's real vocab (clipped to the rows) and rows, `real_from`
     where the real vocab came from; `head` its name, for the messages; what a check's state
-    adds to its message comes with the reading (`Reading.details`).
+    adds to its message comes with the reading (`Reading.details`); `mass`, the (real,
+    columns) the padding mass was measured over where not the whole vocab's.
     """
     watched = watching(policy)
     out = []
@@ -95,7 +97,8 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
             continue
         action = policy.action(spec.check)
         ctx = Context(reading.glob, policy, _NEXT[action], real, rows, head, reading.crossed,
-                      watched, real_from, reading.details.get(spec.check, ""))
+                      watched, real_from, reading.details.get(spec.check, ""),
+                      None if mass == (real, rows) else mass)
         found = spec.describe(reading.glob[spec], ctx)
         if found is None:
             continue

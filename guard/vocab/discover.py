@@ -8,6 +8,7 @@ from typing import cast
 from torch import nn
 
 from guard.errors import AttachError
+from guard.vocab import megatron
 from guard.wrappers import unwrap
 
 __all__ = ["Heads", "discover", "find_heads"]
@@ -91,8 +92,17 @@ def _hf_heads(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
         return None, None
 
 
+def _linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or megatron.is_column_parallel(m)
+
+
+def _embedding(m: nn.Module) -> bool:
+    return isinstance(m, nn.Embedding) or megatron.is_vocab_parallel_embedding(m)
+
+
 def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears: list[tuple[str, nn.Module]] = [(n, m) for n, m in model.named_modules()
+                                            if _linear(m)]
     named = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in _HEAD_NAMES]
     if len(named) == 1:
         return named[0][1]
@@ -100,13 +110,12 @@ def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
     if emb is not None:
         rows = {getattr(emb, "num_embeddings", None)}
     else:
-        rows = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    shaped = [(n, m) for n, m in linears if m.out_features in rows]
+        rows = {getattr(m, "num_embeddings", None) for m in model.modules() if _embedding(m)}
+    shaped = [(n, m) for n, m in linears if megatron.out_features(m) in rows]
     if len(shaped) == 1:
         return shaped[0][1]
-    seen = ", ".join(
-        f"{n} (Linear {m.in_features}->{m.out_features})" for n, m in (named or shaped)
-    )
+    seen = ", ".join(f"{n} ({type(m).__name__} ->{megatron.out_features(m)})"
+                     for n, m in (named or shaped))
     wanted = " or ".join(str(r) for r in sorted(r for r in rows if r is not None)) or "vocab"
     raise AttachError(
         "cannot find the output head: "
@@ -137,17 +146,19 @@ def _find_tied_linear(model: nn.Module) -> tuple[str, nn.Module, nn.Module] | No
 
 
 def _find_embedding(model: nn.Module, head: nn.Module) -> nn.Module:
-    embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    embs: list[tuple[str, nn.Module]] = [(n, m) for n, m in model.named_modules()
+                                         if _embedding(m)]
     tied = [(n, m) for n, m in embs if m.weight is getattr(head, "weight", None)]
     if len(tied) == 1:
         return tied[0][1]
-    rows = getattr(head, "out_features", None)
+    rows = megatron.out_features(head)
     shaped = [(n, m) for n, m in embs if m.num_embeddings == rows]
     if len(shaped) == 1:
         return shaped[0][1]
     if not shaped and len(embs) == 1:
         return embs[0][1]
-    seen = ", ".join(f"{n} (Embedding {m.num_embeddings}x{m.embedding_dim})" for n, m in embs)
+    seen = ", ".join(f"{n} ({type(m).__name__} {m.num_embeddings}x{m.embedding_dim})"
+                     for n, m in embs)
     raise AttachError(
         "cannot find the token embedding: "
         + (f"candidates {seen}" if seen else "the model has no nn.Embedding")

@@ -16,8 +16,10 @@ from torch import nn
 from guard.errors import AttachError
 from guard.policy import VocabSection
 from guard.vocab.discover import Heads, discover
+from guard.vocab.layout import layout_of
+from guard.vocab.parallel import VocabShard
 from guard.vocab.real import GIVE_IT, Real, find_real
-from guard.vocab.sizes import Audit, audit_sizes, shard_sizes
+from guard.vocab.sizes import Audit, audit_sizes
 from guard.wrappers import unwrap
 
 __all__ = ["Sizes", "audit", "resolve"]
@@ -35,6 +37,8 @@ class Sizes:
     # numbers: the real vocab, or the head's real columns on a shard.
     first_padding: tuple[int, int]
     found: Real  # where the real vocab came from (not found: every row taken as real)
+    # The head's shard of the vocab and the ranks of the others (None: the whole vocab).
+    tp: VocabShard | None = None
 
     @property
     def real(self) -> int:
@@ -47,25 +51,27 @@ class Sizes:
         return self.audit.rows
 
     @property
+    def mass_over(self) -> tuple[int, int]:
+        """(real, columns) of the softmax the padding mass is measured over: the whole vocab,
+        its shards' parts combined over their ranks; a shard's own columns in a process
+        without the other shards (no torch.distributed)."""
+        if self.tp is not None and self.tp.group is None:
+            return self.real_columns, self.columns
+        return self.real_rows, self.rows
+
+    @property
     def real_rows(self) -> int:
         """Ids [0, real_rows) are real and have a row: the real vocab, clipped to the rows."""
         return min(self.audit.real, self.audit.rows)
 
 
 def resolve(heads: Heads, vocab: VocabSection, *, vocab_size: int | None = None,
-            tokenizer: Any = None, vocab_shard: tuple[int, int] | None = None,
+            tokenizer: Any = None, vocab_shard: tuple[Any, ...] | None = None,
             model: nn.Module | None = None) -> Sizes:
     """The sizes from the heads, the policy's vocab section and attach's arguments (else what
     `model` says of its real vocab); an AttachError names the argument that does not fit."""
-    rows, embedding_rows, shard = heads.head_rows, heads.embedding_rows, None
-    if vocab_shard is not None:
-        try:
-            rows = shard_sizes(vocab_shard, heads.head_rows, vocab.tensor_parallel)
-        except ValueError as e:
-            raise AttachError(str(e)) from None
-        shard = (vocab_shard[0], vocab_shard[1])
-        if embedding_rows == heads.head_rows:  # a vocab-parallel embedding, sharded alike
-            embedding_rows = rows
+    layout = layout_of(heads, model, vocab_shard, vocab.tensor_parallel)
+    rows, head = layout.rows, layout.head
     found = find_real(model, {"vocab_size=": vocab_size,
                               "policy vocab.real_size": vocab.real_size}, tokenizer, rows)
     if not found.found and vocab.require_real_size:
@@ -73,22 +79,21 @@ def resolve(heads: Heads, vocab: VocabSection, *, vocab_size: int | None = None,
             f"the real vocab size was not found ({found.looked}) and the policy sets "
             f"vocab.require_real_size: true; give it: {GIVE_IT}")
     real = found.size
-    if shard is not None and real <= shard[0]:
+    if head is not None and real <= head.start:
         raise AttachError(
-            f"vocab_shard={shard} holds padding ids only (real vocab {real}): the guard needs "
-            "at least one real id per shard of a vocab-parallel head; use fewer padding rows "
-            "or a smaller tensor-parallel degree for the vocab")
-    aud = audit_sizes(real=real, rows=rows, embedding_rows=embedding_rows, tied=heads.tied,
-                      pad_multiple=vocab.pad_multiple, tensor_parallel=vocab.tensor_parallel)
-    if shard is None:
-        columns, real_columns = rows, min(real, rows)
+            f"the head's columns here, the ids [{head.start}, {head.end}) ({head.source}), "
+            f"holds padding ids only (real vocab {real}): the guard needs at least one real id per "
+            "shard of a vocab-parallel head; use fewer padding rows or a smaller "
+            "tensor-parallel degree for the vocab")
+    aud = audit_sizes(real=real, rows=rows, embedding_rows=layout.embedding_rows,
+                      tied=heads.tied, pad_multiple=vocab.pad_multiple,
+                      tensor_parallel=layout.tensor_parallel)
+    if head is None:
+        columns, real_columns, shard = rows, min(real, rows), None
     else:  # the head's columns are global ids [start, end): padding from id `real` on
-        columns = shard[1] - shard[0]
-        real_columns = min(max(real - shard[0], 0), columns)
-    # The embedding's padding starts at the real vocab, or like the head's when sharded alike.
-    alike = shard is not None and heads.embedding_rows == heads.head_rows
-    first = (real_columns if alike else min(real, heads.embedding_rows), real_columns)
-    return Sizes(aud, shard, columns, real_columns, first, found)
+        columns, shard = head.width, (head.start, head.end)
+        real_columns = min(max(real - head.start, 0), columns)
+    return Sizes(aud, shard, columns, real_columns, layout.first_padding(real), found, head)
 
 
 def audit(model: nn.Module, *, vocab_size: int | None = None, tokenizer: Any = None,

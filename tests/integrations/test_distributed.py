@@ -41,13 +41,15 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-def run_ranks(tmp_path: Path, mode: str,
-              env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], int]:
-    """Both ranks' results, and the first /metrics port."""
-    serve = free_ports(2)  # port + LOCAL_RANK for each rank
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+def run_ranks(tmp_path: Path, mode: str, env: dict[str, str] | None = None, *,
+              nproc: int = 2, worker: Path = WORKER) -> tuple[list[dict[str, Any]], int]:
+    """Every rank's results, and the first /metrics port (dist_worker.py's; another worker
+    is given OUT_DIR and MODE only)."""
+    serve = free_ports(nproc)  # port + LOCAL_RANK for each rank
+    args = [str(serve), mode] if worker == WORKER else [mode]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_ports(1)),
-           "--rdzv-id", RUN_ID, str(WORKER), str(tmp_path), str(serve), mode]
+           "--rdzv-id", RUN_ID, str(worker), str(tmp_path), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     # Its own session, so a hang is killed whole: torchrun and both ranks.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -58,8 +60,8 @@ def run_ranks(tmp_path: Path, mode: str,
         os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
         pytest.fail(f"a rank hung: torchrun still running after {TIMEOUT_S} s\n{err[-4000:]}")
-    assert proc.returncode == 0, err[-4000:]  # both ranks exited, neither crashed
-    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)], serve
+    assert proc.returncode == 0, err[-4000:]  # every rank exited, none crashed
+    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(nproc)], serve
 
 
 def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int, attach: int = 0,

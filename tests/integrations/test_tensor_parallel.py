@@ -8,6 +8,7 @@ from torch import nn
 
 import guard
 from guard import AttachError
+from guard.checks.padding_mass import bound
 from tests.conftest import policy
 
 REAL, ROWS, TP = 100, 128, 2
@@ -105,3 +106,29 @@ def test_tensor_parallel_alignment_uses_the_whole_vocab() -> None:
     m.wte, m.lm_head = nn.Embedding(ROWS, 16), nn.Linear(16, 40, bias=False)  # 4 x 40 = 160
     with pytest.raises(guard.GuardViolation, match="head rows 160 are not a multiple of 256"):
         guard.attach(m, policy=pol, vocab_size=REAL, vocab_shard=(80, 120))
+
+
+def test_vocab_shard_takes_a_group_and_refuses_other_shapes() -> None:
+    m = ShardLM(1)
+    with guard.attach(m, policy=TP_POLICY, vocab_size=REAL, vocab_shard=(WIDTH, ROWS, None)) as g:
+        assert (g.rows, g.audit.tensor_parallel) == (ROWS, TP)
+    with pytest.raises(AttachError, match=r"vocab_shard must be \(start, end\) or \(start, end, "
+                                          r"tp_group\), got \(1, 2, 3, 4\)"):
+        guard.attach(ShardLM(1), policy=TP_POLICY, vocab_size=REAL,
+                     vocab_shard=(1, 2, 3, 4))  # type: ignore[arg-type]
+
+
+def test_a_shard_alone_in_its_process_quotes_the_threshold_it_enforced() -> None:
+    # Without torch.distributed the other shards are absent: the mass is over this shard's
+    # columns, and so is its threshold, which the message quotes.
+    pol = {**TP_POLICY, "checks": {**TP_POLICY["checks"],
+                                   "padding_mass": {"action": "fail", "exact": True}}}
+    m = ShardLM(1)
+    with guard.attach(m, policy=pol, vocab_size=REAL, vocab_shard=(WIDTH, ROWS)) as g:
+        m(ids())
+        with pytest.raises(guard.GuardViolation) as e:
+            g.step()
+    expected = bound(guard.load_policy(pol), REAL - WIDTH, WIDTH)
+    assert e.value.threshold == pytest.approx(expected)
+    assert "on the 28 padding columns [100, 128) (over this shard's 64 columns, the others' " \
+        "absent)" in str(e.value)
