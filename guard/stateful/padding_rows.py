@@ -9,6 +9,7 @@ import logging
 from torch import nn
 
 from guard.checks import padding_rows
+from guard.device.masters import Masters
 from guard.device.reading import Reading
 from guard.device.rows import PaddingRows
 from guard.policy import Action
@@ -33,7 +34,7 @@ class PaddingRowsState(CheckState):
     @classmethod
     def attach(cls, at: Attaching) -> PaddingRowsState:
         s = at.sizes
-        return cls(PaddingRows.of(at.flags, at.heads, s.first_padding),
+        return cls(PaddingRows.of(at.flags, at.heads, s.first_padding, Masters(at.optimizer)),
                    at.policy.action("padding_rows"), s.real, s.rows)
 
     @property

@@ -1,0 +1,137 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3, run for real on the CPU: two gloo ranks under torchrun, the
+raw engine loop and the HF Trainer (tests/integrations/ds_worker.py, ds_trainer.py). One
+launch per stage runs every case on both ranks; its op build is done once, outside the timed
+part (the `built` fixture)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.test_distributed import DIST, run_ranks_with
+
+if importlib.util.find_spec("deepspeed") is None:  # not imported here: the ranks do
+    pytest.skip("needs deepspeed (the dev extra installs it)", allow_module_level=True)
+
+WORKER = Path(__file__).with_name("ds_worker.py")
+TIMEOUT_S = 400  # one stage's 14 cases take ~1 min on 2 cores; a hang is killed, not waited on
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+ENTRIES = ("engine", "trainer")
+
+
+@pytest.fixture(scope="session")
+def built() -> None:
+    """DeepSpeed's shared-memory op compiles on first use (about a minute, once per machine):
+    here, before any launch is timed."""
+    code = ("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; "
+            "ShareMemCommBuilder().load()")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                   env={**os.environ, **ENV}, timeout=900)
+
+
+def launch(out: Path, stage: int) -> list[dict[str, Any]]:
+    return run_ranks_with(out, [str(WORKER), str(out), str(stage)], ENV, TIMEOUT_S)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def ranks(request: pytest.FixtureRequest, built: None,
+          tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+    stage = int(request.param)
+    return stage, launch(tmp_path_factory.mktemp(f"zero{stage}"), stage)
+
+
+def cases(ranks: tuple[int, list[dict[str, Any]]], name: str) -> list[tuple[str, dict[str, Any]]]:
+    """(entry, result) of both ranks, for each entry."""
+    return [(e, r[f"{e}/{name}"]) for e in ENTRIES for r in ranks[1]]
+
+
+@pytest.mark.slow
+@DIST
+def test_a_healthy_padded_model_trains_quiet_one_step_per_update(ranks: Any) -> None:
+    for entry, res in cases(ranks, "healthy"):
+        stats = res["stats"]
+        assert res["raised"] is None and res["said"] == [], entry
+        assert stats["violations"] == {}, entry  # no check fired, none was blind
+        # Three updates are three steps, though ZeRO calls the torch optimizer's step once
+        # per parameter group (two here, as the Trainer makes).
+        assert stats["step"] == 3, entry
+        if entry == "engine":
+            assert res["inner_calls"] == 6
+        assert stats["padding_mass"] is not None and stats["padding_mass"] < 0.1
+        # The gradients were read from ZeRO's own buffers, every step.
+        assert stats["grad_norm"] is not None and stats["grad_norm"] > 0
+        assert stats["nonfinite"]["grad"] == 0
+        assert res["padding"]["model"] <= 1.0 and res["padding"]["master"] <= 1.0
+
+
+@pytest.mark.slow
+@DIST
+def test_garbage_padding_rows_fail_at_step_1_on_both_ranks(ranks: Any) -> None:
+    for entry, res in cases(ranks, "padding-fail"):
+        raised = res["raised"]
+        assert raised is not None and (raised["check"], raised["step"]) == ("padding_mass", 1)
+        assert raised.get("unchanged", True), entry  # before the update
+
+
+@pytest.mark.slow
+@DIST
+def test_the_mask_gives_the_real_vocab_loss_and_leaves_the_padding_rows(ranks: Any) -> None:
+    before = None
+    for entry, res in cases(ranks, "mask"):
+        assert res["raised"] is None and res["stats"]["violations"] == {}, entry
+        if entry == "engine":  # the step-1 loss is that of a head over the real vocab only
+            assert res["losses"][0] == pytest.approx(res["reference"], abs=1e-5)
+        rows = res["padding"]["rows"]
+        before = before or rows
+        assert rows == before, entry  # no gradient reached them: both entries, both ranks
+        assert res["padding"]["model"] > 10  # still garbage: the mask, not a repair
+
+
+@pytest.mark.slow
+@DIST
+def test_the_default_repair_holds_after_several_updates(ranks: Any) -> None:
+    for entry, res in cases(ranks, "repair"):
+        assert res["raised"] is None, entry
+        # Repaired once at attach and never again: DeepSpeed's fp32 copy was repaired too,
+        # so no update wrote the garbage back.
+        assert res["stats"]["violations"] == {"padding_rows": {"repair": 1}}, entry
+        assert res["padding"]["model"] <= 1.0 and res["padding"]["master"] <= 1.0, entry
+
+
+@pytest.mark.slow
+@DIST
+def test_a_ghost_label_on_one_rank_stops_both_before_the_update(ranks: Any) -> None:
+    for entry, res in cases(ranks, "ghost"):
+        raised = res["raised"]
+        assert raised is not None, entry
+        assert (raised["check"], raised["step"], raised["rank"]) == ("token_range", 2, 1)
+        assert raised.get("unchanged", True), entry
+
+
+@pytest.mark.slow
+@DIST
+def test_a_nan_in_the_logits_stops_both_ranks_under_fail(ranks: Any) -> None:
+    for entry, res in cases(ranks, "nan-logits"):
+        raised = res["raised"]
+        assert raised is not None, entry
+        assert (raised["check"], raised["step"]) == ("nonfinite", 2)
+        assert "in the real-vocab logits" in raised["message"]  # rank 0's, seen by both
+        assert raised.get("unchanged", True), entry
+
+
+@pytest.mark.slow
+@DIST
+def test_a_nan_born_in_the_backward_is_read_from_zeros_gradients(ranks: Any) -> None:
+    for entry, res in cases(ranks, "nan-backward"):
+        raised = res["raised"]
+        assert raised is not None, entry
+        assert (raised["check"], raised["step"]) == ("nonfinite", 2)
+        assert "born in the backward" in raised["message"], entry
+        assert "transformer.h.0" in raised["message"], entry
+        assert raised.get("unchanged", True), entry
