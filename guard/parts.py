@@ -81,8 +81,9 @@ class Parts:
         """alignment and vocab first: `fail` stops the job before any hook goes on. Everything
         that can refuse comes before what changes the model (a refused attach leaves weights,
         generation_config and hooks as they were)."""
+        unread = [(s.check_name, u) for s in self.states if (u := s.unread()) is not None]
         verdict = attach_verdict(self.sizes.audit, self.policy, self.record.rank,
-                                 found=self.sizes.found)
+                                 found=self.sizes.found, unread=unread)
         self.record.add(verdict)
         if (error := verdict.error()) is not None:
             raise error

@@ -18,11 +18,11 @@ from guard.checks import padding_rows
 from guard.device.flags import Flags
 from guard.device.masters import Masters
 from guard.device.sharded import RowShard, rows_of
-from guard.device.zero_rows import ZeroRows
+from guard.device.zero_rows import ZeroRows, unreadable
 from guard.vocab.discover import Heads, weight_shape
 from guard_server.wire import WEIGHTS, WeightName
 
-__all__ = ["PaddingRows", "VocabWeight", "vocab_weights"]
+__all__ = ["PaddingRows", "VocabWeight", "unread_rows", "vocab_weights"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,14 @@ def vocab_weights(heads: Heads, firsts: tuple[int, int]) -> list[VocabWeight]:
             h = out[tied]
             out[tied] = VocabWeight(f"{h.name} (tied: {name}.weight)", w, real, (*h.roles, role))
     return out
+
+
+def unread_rows(heads: Heads, firsts: tuple[int, int]) -> str | None:
+    """The weights of `heads` whose rows this rank cannot read between steps, and why (None:
+    it reads them all): never taken for healthy ones."""
+    why = [f"the rows of {h.name} ({reason})" for h in vocab_weights(heads, firsts)
+           if (reason := unreadable(h.tensor)) is not None]
+    return " and ".join(why) or None
 
 
 class PaddingRows:
@@ -87,7 +95,7 @@ class PaddingRows:
         optimizer keeps its own copy of them (a repair writes there too)."""
         head, names = heads.head_holder, (heads.embedding_name, heads.lm_head_name)
         weights = [(h.name, h.tensor, h.real) for h in vocab_weights(heads, firsts)
-                   if weight_shape(h.tensor)[0] > h.real]
+                   if weight_shape(h.tensor)[0] > h.real and unreadable(h.tensor) is None]
         bias = getattr(head, "bias", None)
         shape = weight_shape(bias)
         biases = ([(f"{names[1]}.bias", bias, firsts[1])] if isinstance(bias, torch.Tensor)

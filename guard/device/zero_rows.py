@@ -30,8 +30,10 @@ def is_partitioned(weight: object) -> bool:
 
 
 def unreadable(weight: torch.Tensor) -> str | None:
-    """Why this rank cannot read its partition of a ZeRO-3 weight (None: it can): an NVMe
-    offload keeps it on disk between steps, and a swapped-out one is not in memory."""
+    """Why this rank cannot read its part of a ZeRO-3 weight between steps (None: it can, or
+    the weight is no ZeRO-3 one): an NVMe offload keeps it on disk, not in memory."""
+    if not hasattr(weight, "ds_id"):
+        return None
     part = getattr(weight, "ds_tensor", None)
     if part is None:
         return "it has no partition (ds_tensor is None)"

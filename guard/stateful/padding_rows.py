@@ -11,7 +11,7 @@ from torch import nn
 from guard.checks import padding_rows
 from guard.device.masters import Masters
 from guard.device.reading import Reading
-from guard.device.rows import PaddingRows
+from guard.device.rows import PaddingRows, unread_rows
 from guard.policy import Action
 from guard.stateful.state import Attaching, CheckState
 
@@ -24,18 +24,24 @@ class PaddingRowsState(CheckState):
     spec = padding_rows.SPEC
     at_detach = False  # reads the weights
 
-    def __init__(self, rows: PaddingRows | None, action: Action, real: int, total: int) -> None:
+    def __init__(self, rows: PaddingRows | None, action: Action, real: int, total: int,
+                 unread: str | None = None) -> None:
         # None where no weight has a padding row on this process (a vocab-parallel shard of
         # real ids only): it checks nothing, the other ranks report theirs.
         self.rows = rows
         self.action = action
         self.real, self.total = real, total  # of the whole vocab: the padding ids [real, total)
+        self._unread = unread  # the weights whose rows cannot be read, and why
 
     @classmethod
     def attach(cls, at: Attaching) -> PaddingRowsState:
         s = at.sizes
         return cls(PaddingRows.of(at.flags, at.heads, s.first_padding, Masters(at.optimizer)),
-                   at.policy.action("padding_rows"), s.real, s.rows)
+                   at.policy.action("padding_rows"), s.real, s.rows,
+                   unread_rows(at.heads, s.first_padding))
+
+    def unread(self) -> str | None:
+        return self._unread
 
     @property
     def reads_at_attach(self) -> bool:

@@ -16,10 +16,11 @@ import torch
 from guard.checks import untrained_rows
 from guard.device.masters import Masters
 from guard.device.reading import Reading
-from guard.device.rows import vocab_weights
+from guard.device.rows import unread_rows, vocab_weights
 from guard.device.sharded import rows_of
 from guard.device.untrained_rules import classify, row_features
 from guard.device.untrained_tables import UntrainedTables, UntrainedWeight
+from guard.device.zero_rows import unreadable
 from guard.policy import Action, Policy
 from guard.stateful.state import Attaching, CheckState, Finding
 from guard.vocab.discover import weight_shape
@@ -60,6 +61,7 @@ class UntrainedRowsState(CheckState):
         self.policy, self.tokens = policy, tokens
         self._modules = modules  # the embedding's and the head's names, for PEFT's message
         self._named: set[int] = set()  # the ids a message named
+        self._unread: str | None = None  # the weights whose rows cannot be read, and why
 
     @classmethod
     def attach(cls, at: Attaching) -> UntrainedRowsState | None:
@@ -74,6 +76,8 @@ class UntrainedRowsState(CheckState):
         found = []
         with torch.no_grad():
             for h in vocab_weights(heads, sizes.first_padding):
+                if unreadable(h.tensor) is not None:  # said at attach (unread)
+                    continue
                 shard = rows_of(h.tensor, h.name, "untrained_rows")
                 features, prints = row_features(shard, min(h.real, weight_shape(h.tensor)[0]))
                 why, reference = classify(features, prints, epsilon=rules.epsilon,
@@ -92,7 +96,12 @@ class UntrainedRowsState(CheckState):
                                              ref if math.isfinite(ref) else 0.0, exempt))
         tokens = token_names(sorted({i for w in found for i in w.ids}), at.tokenizer, at.model)
         tables = UntrainedTables(found, at.flags, Masters(at.optimizer))
-        return cls(found, tables, at.policy, tokens, (heads.embedding_name, heads.lm_head_name))
+        state = cls(found, tables, at.policy, tokens, (heads.embedding_name, heads.lm_head_name))
+        state._unread = unread_rows(heads, sizes.first_padding)
+        return state
+
+    def unread(self) -> str | None:
+        return self._unread
 
     @property
     def reads_at_attach(self) -> bool:
