@@ -14,7 +14,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 import guard
 from guard.integrations.transformers import guard_trainer
 from tests.integrations.ds_worker import CASES, REAL, STEPS, batch, config, fault, gpt2, \
-    labels, padding
+    labels, padding, rows
 
 
 class Steps(TrainerCallback):
@@ -35,6 +35,7 @@ class Steps(TrainerCallback):
 def trainer_case(stage: int, name: str) -> dict[str, Any]:
     garbage, pol, kind = CASES[name]
     model = gpt2(garbage)
+    start = rows(model)
     now = {"step": 0}
     fault(model, kind, now)
     rank = dist.get_rank()
@@ -64,7 +65,8 @@ def trainer_case(stage: int, name: str) -> dict[str, Any]:
             res["raised"] = {"check": e.check, "step": e.step, "rank": e.rank,
                              "message": str(e), "global_step": t.state.global_step}
         assert cb.guard is not None
-        res.update(stats=cb.guard.stats, losses=steps.losses, global_step=t.state.global_step)
+        res.update(stats=cb.guard.stats, losses=steps.losses, global_step=t.state.global_step,
+                   start=start)
         if name in ("mask", "repair", "healthy") and res["raised"] is None:
             res["padding"] = padding(model)
         cb.release()

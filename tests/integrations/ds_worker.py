@@ -72,6 +72,13 @@ def policy(**checks: dict[str, Any]) -> dict[str, Any]:
     return {"export": {"serve": None}, "checks": checks}
 
 
+def rows(model: torch.nn.Module) -> list[list[float]]:
+    """The padding rows as the model holds them (gathered where ZeRO-3 partitioned them)."""
+    w = model.get_output_embeddings().weight
+    with deepspeed.zero.GatheredParameters([w]):
+        return w.detach()[REAL:].tolist()
+
+
 def padding(model: torch.nn.Module) -> dict[str, Any]:
     """The padding rows' norms as the model and as DeepSpeed's fp32 copy hold them (both
     ranks: gathered), against the largest real row's."""
@@ -133,6 +140,7 @@ def engine_case(stage: int, name: str) -> dict[str, Any]:
     with the torch optimizer; ghost: to the module with the engine's optimizer)."""
     garbage, pol, kind = CASES[name]
     model = gpt2(garbage)
+    start = rows(model)
     now = {"step": 0}
     fault(model, kind, now)
     decay = [p for n, p in model.named_parameters() if "ln" not in n and "bias" not in n]
@@ -161,7 +169,8 @@ def engine_case(stage: int, name: str) -> dict[str, Any]:
         out["raised"] = {"check": e.check, "step": e.step, "rank": e.rank, "message": str(e),
                          "unchanged": all(torch.equal(a, b) for a, b in
                                           zip(before, _masters(model), strict=True))}
-    out.update(stats=g.stats, inner_calls=calls["inner"], reference=_real_loss(name))
+    out.update(stats=g.stats, inner_calls=calls["inner"], reference=_real_loss(name),
+               start=start)
     if name in ("mask", "repair", "healthy"):
         out["padding"] = padding(model)
     g.detach()
