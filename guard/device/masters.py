@@ -51,7 +51,8 @@ class Masters:
 
     def unreachable(self, weight: torch.Tensor) -> str | None:
         """Why a repair of `weight` would not last (None: it does)."""
-        if self.optimizer is None or is_partitioned(weight) or hasattr(weight, "_hp_mapping"):
+        if self.optimizer is None or is_partitioned(weight) or hasattr(weight, "_hp_mapping") \
+                or hasattr(weight, "device_mesh"):  # FSDP2's DTensor: the shard is the weight
             return None
         if any(p is weight for g in self.optimizer.param_groups for p in g["params"]):
             return None

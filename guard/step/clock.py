@@ -146,7 +146,7 @@ class StepClock:
         if self.outer.bound is None and self.boundary != "manual" and "deepspeed" in sys.modules:
             # deepspeed.initialize may come after the attach (guard/step/zero.py)
             self.outer.model = frozenset(id(p) for p in model.parameters())
-            late = [hook(model, self._bind_late, kind="forward_pre", compiled="never",
+            late = [hook(model, self._bind_late, kind="forward_pre", compiled="eager",
                          prepend=True)]
         if self.outer.bound is not None:
             self.outer.bind(self.outer.bound)
@@ -259,6 +259,9 @@ class StepClock:
     def _bind_late(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         # Attached before deepspeed.initialize: once a DeepSpeed optimizer updates the model,
         # its step is the boundary (the torch optimizer's calls inside it are not steps).
+        # Traced inside a compiled training step it does nothing (host state only).
+        if compiling():
+            return
         if module.training and torch.is_grad_enabled() and \
                 self.outer.late(module, hooked=self.boundary == "optimizer"):
             self.boundary, self._pending, self._watched = "optimizer", False, None

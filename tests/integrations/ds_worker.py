@@ -96,7 +96,8 @@ def padding(model: torch.nn.Module) -> dict[str, Any]:
 
 def fault(model: torch.nn.Module, kind: str | None, now: dict[str, int]) -> None:
     """At FAULT_STEP: `ghost` (a label of rank 1 in the padding ids), `nan-logits` (rank 0's
-    logits NaN), `nan-backward` (rank 1's first block: a NaN gradient, the forward finite)."""
+    logits NaN), `nan-backward` (rank 1's first block: a NaN gradient, the forward finite),
+    `spike` (rank 0's loss 100 times its own: finite gradients, 100 times too large)."""
     rank = dist.get_rank()
 
     def logits(module: Any, args: Any, out: torch.Tensor) -> Any:
@@ -109,6 +110,13 @@ def fault(model: torch.nn.Module, kind: str | None, now: dict[str, int]) -> None
             return (NaNBackward.apply(out[0]), *out[1:])
         return NaNBackward.apply(out)
 
+    def spike(module: Any, args: Any, out: Any) -> Any:
+        if now["step"] == FAULT_STEP and rank == 0 and module.training:
+            out["loss"] = out["loss"] * 100.0
+        return out
+
+    if kind == "spike":
+        model.register_forward_hook(spike)
     if kind == "nan-logits":
         model.lm_head.register_forward_hook(logits)
     elif kind == "nan-backward":
@@ -132,6 +140,8 @@ CASES: dict[str, tuple[float | None, dict[str, Any], str | None]] = {
     "ghost": (None, policy(), "ghost"),
     "nan-logits": (None, policy(), "nan-logits"),
     "nan-backward": (None, policy(), "nan-backward"),
+    "spike-skip": (None, policy(loss_spike={"action": "skip", "warmup": 1, "window": 2}),
+                   "spike"),
 }
 
 
@@ -163,12 +173,15 @@ def engine_case(stage: int, name: str) -> dict[str, Any]:
             loss = engine(input_ids=x, labels=labels(x, kind, step)).loss
             out["losses"].append(loss.item())
             engine.backward(loss)
-            before = [p.detach().clone() for p in _masters(model)]
+            before = [p.detach().clone() for p in masters(model)]
             engine.step()
+            if step == FAULT_STEP:  # what a skipped update left
+                out["unchanged"] = all(torch.equal(a, b) for a, b in
+                                       zip(before, masters(model), strict=True))
     except guard.GuardViolation as e:
         out["raised"] = {"check": e.check, "step": e.step, "rank": e.rank, "message": str(e),
                          "unchanged": all(torch.equal(a, b) for a, b in
-                                          zip(before, _masters(model), strict=True))}
+                                          zip(before, masters(model), strict=True))}
     out.update(stats=g.stats, inner_calls=calls["inner"], reference=_real_loss(name),
                start=start)
     if name in ("mask", "repair", "healthy"):
@@ -177,7 +190,7 @@ def engine_case(stage: int, name: str) -> dict[str, Any]:
     return out
 
 
-def _masters(model: torch.nn.Module) -> list[torch.Tensor]:
+def masters(model: torch.nn.Module) -> list[torch.Tensor]:
     """DeepSpeed's fp32 copy of every parameter, as this rank holds it (what the update moves)."""
     from deepspeed.utils import safe_get_local_fp32_param
 

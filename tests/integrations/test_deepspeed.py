@@ -76,7 +76,7 @@ def test_garbage_padding_rows_fail_at_step_1_on_both_ranks(ranks: Any) -> None:
     for entry, res in cases(ranks, "padding-fail"):
         raised = res["raised"]
         assert raised is not None and (raised["check"], raised["step"]) == ("padding_mass", 1)
-        assert raised.get("unchanged", True), entry  # before the update
+        assert raised["unchanged"], entry  # before the update
 
 
 @pytest.mark.slow
@@ -102,34 +102,49 @@ def test_the_default_repair_holds_after_several_updates(ranks: Any) -> None:
         assert res["padding"]["model"] <= 1.0 and res["padding"]["master"] <= 1.0, entry
 
 
+def stopped(ranks: Any, name: str, check: str) -> list[tuple[str, dict[str, Any]]]:
+    """(entry, violation) of each rank and entry, each stopped by `check` at step 2 before
+    that update: DeepSpeed's fp32 copy of every parameter as it was."""
+    out = []
+    for entry, res in cases(ranks, name):
+        raised = res["raised"]
+        assert raised is not None, entry
+        assert (raised["check"], raised["step"]) == (check, 2), entry
+        assert raised["unchanged"], entry
+        out.append((entry, raised))
+    return out
+
+
 @pytest.mark.slow
 @DIST
 def test_a_ghost_label_on_one_rank_stops_both_before_the_update(ranks: Any) -> None:
-    for entry, res in cases(ranks, "ghost"):
-        raised = res["raised"]
-        assert raised is not None, entry
-        assert (raised["check"], raised["step"], raised["rank"]) == ("token_range", 2, 1)
-        assert raised.get("unchanged", True), entry
+    for entry, raised in stopped(ranks, "ghost", "token_range"):
+        assert raised["rank"] == 1, entry
 
 
 @pytest.mark.slow
 @DIST
 def test_a_nan_in_the_logits_stops_both_ranks_under_fail(ranks: Any) -> None:
-    for entry, res in cases(ranks, "nan-logits"):
-        raised = res["raised"]
-        assert raised is not None, entry
-        assert (raised["check"], raised["step"]) == ("nonfinite", 2)
-        assert "in the real-vocab logits" in raised["message"]  # rank 0's, seen by both
-        assert raised.get("unchanged", True), entry
+    for entry, raised in stopped(ranks, "nan-logits", "nonfinite"):
+        assert "in the real-vocab logits" in raised["message"], entry  # rank 0's, both stop
 
 
 @pytest.mark.slow
 @DIST
 def test_a_nan_born_in_the_backward_is_read_from_zeros_gradients(ranks: Any) -> None:
-    for entry, res in cases(ranks, "nan-backward"):
-        raised = res["raised"]
-        assert raised is not None, entry
-        assert (raised["check"], raised["step"]) == ("nonfinite", 2)
+    for entry, raised in stopped(ranks, "nan-backward", "nonfinite"):
         assert "born in the backward" in raised["message"], entry
         assert "transformer.h.0" in raised["message"], entry
-        assert raised.get("unchanged", True), entry
+
+
+@pytest.mark.slow
+@DIST
+def test_skip_drops_the_whole_update_on_every_rank(ranks: Any) -> None:
+    # Rank 0's loss spikes at step 2 (its gradients finite, 100 times too large): both ranks
+    # drop that update, every parameter group of it, and train on.
+    for entry, res in cases(ranks, "spike-skip"):
+        stats = res["stats"]
+        assert res["raised"] is None and stats["step"] == 3, entry
+        assert stats["skipped_steps"] == 1, entry
+        assert stats["violations"] == {"loss_spike": {"skip": 1}}, entry
+        assert res["unchanged"], entry  # DeepSpeed's fp32 copy as step 1 left it
