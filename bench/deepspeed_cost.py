@@ -4,7 +4,8 @@
         bench/deepspeed_cost.py [--stage 3] [--rows 50304] [--real 50257] [--n-embd 256]
 
 Two gloo ranks, a GPT-2 (2 layers) whose tied embedding has `rows` rows, ZeRO stage `--stage`,
-the guard attached to the engine with the default policy. Measured on each rank, the median
+the guard attached to the engine with the default policy. Measured: attach (its reads of the
+weights: the padding rows' scale, the untrained rows' features); then on each rank, the median
 of `--repeat` calls at a step boundary (after the backward, before the step): the padding
 rows' check (under ZeRO-3 from the partitions, one all-reduce of their squared norms) and the
 gradient check (one `torch._foreach_norm` over ZeRO's gradient partitions); and the training
@@ -66,7 +67,10 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     plain, guarded = engine(args), engine(args)
+    dist.barrier()
+    t = time.perf_counter()
     g = guard.attach(guarded, policy={"export": {"serve": None}}, vocab_size=args.real)
+    attach_ms = (time.perf_counter() - t) * 1e3
     states = {type(s).__name__: s for s in g._parts.states}
     x = torch.randint(0, args.real, (args.batch, args.block),
                       generator=torch.Generator().manual_seed(rank))
@@ -84,6 +88,7 @@ def main() -> None:
     out = {"stage": args.stage, "rows": args.rows, "n_embd": args.n_embd,
            "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                          for p in guarded.module.parameters()),
+           "attach_ms": attach_ms,
            "padding_rows_check_ms": timed(rows.check, args.repeat),
            "grad_check_ms": timed(lambda: (norms.measure(), norms.before_read()), args.repeat),
            "step_ms_plain": statistics.median(steps["plain"]),
