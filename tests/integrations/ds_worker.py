@@ -130,6 +130,55 @@ def labels(x: torch.Tensor, kind: str | None, step: int) -> torch.Tensor:
     return y
 
 
+class Moments:
+    """A sink: at each report (inside the read, after a repair, before the update) the largest
+    |exp_avg| this rank holds of the padding rows (-1 before the optimizer has any; None where
+    this rank's partition holds none of them)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w, self.seen = w, list[float | None]()
+
+    def emit(self, batch: Any) -> None:
+        self.seen.append(padding_moment(self.w))
+
+    def close(self, timeout: float = 5.0) -> None:
+        pass
+
+
+def padding_moment(w: Any) -> float | None:
+    from deepspeed.utils import safe_get_local_optimizer_state
+
+    lo, hi = REAL * 32, ROWS * 32  # the padding rows' elements of the flattened weight
+    if hasattr(w, "ds_id"):
+        n = w.ds_tensor.ds_numel
+        at, size = n * dist.get_rank(), n
+        try:
+            m = safe_get_local_optimizer_state(w, "exp_avg")
+        except (KeyError, TypeError):
+            return -1.0
+    else:
+        mapping = w._hp_mapping
+        if not mapping.optim_fragment:
+            return -1.0
+        at, size = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+        m = mapping.optim_fragment["exp_avg"]
+    s, e = max(lo, at), min(hi, at + size)
+    return m[s - at : e - at].abs().max().item() if s < e else None
+
+
+def diverge(model: torch.nn.Module) -> None:
+    """Garbage written into the padding rows of the model and of DeepSpeed's fp32 copy alike,
+    on both ranks (what a bad update leaves), for the next read to find."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    w = model.get_output_embeddings().weight
+    garbage = torch.randn(ROWS - REAL, 32, generator=torch.Generator().manual_seed(3))
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=0), torch.no_grad():
+        w.data.view(ROWS, 32)[REAL:] = garbage
+        full = w.detach().clone()
+    safe_set_full_fp32_param(w, full)
+
+
 # case: (garbage, policy, fault); the healthy and the repair cases attach differently per entry.
 CASES: dict[str, tuple[float | None, dict[str, Any], str | None]] = {
     "healthy": (None, policy(), None),
@@ -142,7 +191,12 @@ CASES: dict[str, tuple[float | None, dict[str, Any], str | None]] = {
     "nan-backward": (None, policy(), "nan-backward"),
     "spike-skip": (None, policy(loss_spike={"action": "skip", "warmup": 1, "window": 2}),
                    "spike"),
+    # The padding rows trained (no mask), then garbage after step 1: repaired at step 2's read.
+    "repair-later": (None, policy(padding_mass={"action": "warn"}), "diverge"),
 }
+
+
+TRAINER = [name for name in CASES if name != "repair-later"]  # the engine's own loop only
 
 
 def engine_case(stage: int, name: str) -> dict[str, Any]:
@@ -166,6 +220,8 @@ def engine_case(stage: int, name: str) -> dict[str, Any]:
     elif g is None:
         g = guard.attach(engine, policy=pol, vocab_size=REAL)
     out: dict[str, Any] = {"raised": None, "losses": []}
+    moments = Moments(model.get_output_embeddings().weight)
+    g.add_sink(moments)
     try:
         for step in range(1, STEPS + 1):
             now["step"] = step
@@ -178,13 +234,15 @@ def engine_case(stage: int, name: str) -> dict[str, Any]:
             if step == FAULT_STEP:  # what a skipped update left
                 out["unchanged"] = all(torch.equal(a, b) for a, b in
                                        zip(before, masters(model), strict=True))
+            if kind == "diverge" and step == 1:
+                diverge(model)
     except guard.GuardViolation as e:
         out["raised"] = {"check": e.check, "step": e.step, "rank": e.rank, "message": str(e),
                          "unchanged": all(torch.equal(a, b) for a, b in
                                           zip(before, masters(model), strict=True))}
     out.update(stats=g.stats, inner_calls=calls["inner"], reference=_real_loss(name),
-               start=start)
-    if name in ("mask", "repair", "healthy"):
+               start=start, moments=moments.seen)
+    if name in ("mask", "repair", "healthy", "repair-later"):
         out["padding"] = padding(model)
     g.detach()
     return out
@@ -219,7 +277,7 @@ def main(out: Path, stage: int) -> None:
 
     result: dict[str, Any] = {}
     for entry, run in (("engine", engine_case), ("trainer", trainer_case)):
-        for name in CASES:
+        for name in CASES if entry == "engine" else TRAINER:
             said.lines.clear()
             result[f"{entry}/{name}"] = {**run(stage, name), "said": list(said.lines)}
     finish(out, dist.get_rank(), result)
