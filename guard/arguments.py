@@ -31,6 +31,7 @@ class Arguments:
     caller: nn.Module  # the one whose forward hooks see each call: the model, mostly
     wrappers: tuple[str, ...]  # the wrappers' class names, outermost first
     optimizer: Any  # the torch optimizer, inside accelerate's / Lightning's / DeepSpeed's
+    outer: object  # DeepSpeed's optimizer around it, whose step is one update (or None)
     loss_shares: LossShares
     rank: int
     local_rank: int
@@ -54,6 +55,9 @@ def check_arguments(model: object,
     micro-batches (accelerate's `gradient_accumulation_steps`), "last" otherwise."""
     pol = load_policy(policy)
     inside = unwrap_call(model)
+    # Attached to DeepSpeed's engine without optimizer=: the engine's optimizer.
+    if optimizer is None and steps != "manual":
+        optimizer = inside.optimizer
     unwrapped = unwrap_optimizer(optimizer)
     check_boundaries(pol, unwrapped.optimizer, steps)
     shares: LossShares = loss_shares or ("mean" if unwrapped.accumulation > 1 else "last")
@@ -63,4 +67,4 @@ def check_arguments(model: object,
                  "their mean (loss_shares='mean')", unwrapped.wrapper, unwrapped.accumulation)
     rank, local_rank = _rank_of_process()
     return Arguments(pol, inside.model, inside.caller, inside.wrappers, unwrapped.optimizer,
-                     shares, rank, local_rank)
+                     unwrapped.outer, shares, rank, local_rank)

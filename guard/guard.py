@@ -257,7 +257,7 @@ def attach(
     g = Guard(Parts.build(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer,
                           steps=steps, loss_shares=a.loss_shares, loss_scale=float(loss_scale),
                           tokenizer=tokenizer, scaled=scaler is not None and scaler.is_enabled(),
-                          caller=a.caller))
+                          caller=a.caller, outer=a.outer))
     g._open(a.local_rank)
     inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
     tp = sizes.tp

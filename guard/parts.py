@@ -14,7 +14,9 @@ from torch import nn
 from guard.device.compile import drop_compiled
 from guard.device.hooks import Handle
 from guard.device.loss import LossShares
+from guard.device.masters import Masters, lasting
 from guard.device.probe import Probe
+from guard.device.rows import vocab_weights
 from guard.policy import Policy
 from guard.stateful import Attaching, CheckState, attach_states
 from guard.step.clock import StepClock, Steps
@@ -52,9 +54,15 @@ class Parts:
               optimizer: torch.optim.Optimizer | None = None, steps: Steps = "auto",
               loss_shares: LossShares = "last", loss_scale: float = 1.0,
               tokenizer: Any = None, scaled: bool = False,
-              caller: nn.Module | None = None) -> Parts:
+              caller: nn.Module | None = None, outer: object | None = None) -> Parts:
         """`caller`: the module whose forward hooks see each call of `model` (a wrapper that
-        calls the model's forward method past its hooks, guard/wrappers.py)."""
+        calls the model's forward method past its hooks, guard/wrappers.py); `outer`: a
+        DeepSpeed optimizer around `optimizer`, whose step is the boundary (guard/step/
+        zero.py)."""
+        # A repair where the optimizer's own copy of a weight is out of reach would be undone
+        # at the next update: said here, and such repairs warn instead.
+        policy = lasting(policy, [(w.name, w.tensor) for w in
+                                  vocab_weights(heads, sizes.first_padding)], Masters(optimizer))
         probe = Probe.from_policy(policy, sizes, heads, rank=rank, loss_shares=loss_shares,
                                   loss_scale=loss_scale)
         # The probe, the reader and the guard share the states: one object per check.
@@ -64,7 +72,8 @@ class Parts:
         caller = model if caller is None else caller
         episodes = Episodes.from_policy(policy, caller)  # re-runs what was called
         reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)
-        clock = StepClock.from_policy(policy, probe, reader, optimizer=optimizer, steps=steps)
+        clock = StepClock.from_policy(policy, probe, reader, optimizer=optimizer, steps=steps,
+                                      outer=outer)
         return cls(model, heads, policy, sizes, optimizer, probe, states, record, episodes,
                    clock, caller)
 
@@ -72,8 +81,9 @@ class Parts:
         """alignment and vocab first: `fail` stops the job before any hook goes on. Everything
         that can refuse comes before what changes the model (a refused attach leaves weights,
         generation_config and hooks as they were)."""
+        unread = [(s.check_name, u) for s in self.states if (u := s.unread()) is not None]
         verdict = attach_verdict(self.sizes.audit, self.policy, self.record.rank,
-                                 found=self.sizes.found)
+                                 found=self.sizes.found, unread=unread)
         self.record.add(verdict)
         if (error := verdict.error()) is not None:
             raise error
@@ -98,6 +108,7 @@ class Parts:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.clock.remove()
         if hooked:
             drop_compiled()  # graphs traced with the hooks would go on running them
         if self.episodes is not None:

@@ -7,7 +7,9 @@ not from a wrapper's `forward(*args, **kwargs)`.
 Known wrappers are named below by where their class lives, looked up in `sys.modules` and
 never imported (a library that is not loaded wrapped nothing). Accelerate's prepared model is
 one of them (DDP, FSDP, torch.compile) or the model itself, its forward patched in place with
-`functools.wraps`, which keeps the signature. A wrapper the guard does not know is found by
+`functools.wraps`, which keeps the signature. DeepSpeed's engine holds the model as `.module`
+and its optimizer as `.optimizer`, which attach takes when given no `optimizer=` (the engine's
+step is DeepSpeed's optimizer's, guard/step/zero.py). A wrapper the guard does not know is found by
 what it does: its forward takes `(*args, **kwargs)`, it holds nothing of its own and its only
 child is the model. One that looks like a wrapper but holds the model among other children is
 refused: the guard cannot tell which child its forward calls."""
@@ -42,6 +44,7 @@ class Known:
     # Its forward may call the inner module's forward method rather than the module, past the
     # module's hooks (PEFT's tuners up to 0.18: `self.model.forward(...)`); read from its code.
     direct: bool = False
+    optimizer: str = ""  # the attribute holding the optimizer it steps (DeepSpeed's engine)
 
 
 KNOWN = (
@@ -58,6 +61,8 @@ KNOWN = (
     # model; a tuner's forward calls its .model with the same arguments.
     Known("peft.peft_model", "PeftModel", "base_model"),
     Known("peft.tuners.tuners_utils", "BaseTuner", "model", direct=True),
+    # deepspeed.initialize's engine: forward(*inputs, **kwargs) calls .module with them.
+    Known("deepspeed.runtime.engine", "DeepSpeedEngine", "module", optimizer="optimizer"),
 )
 
 
@@ -70,6 +75,7 @@ class Unwrapped:
     # a wrapper calls the model's forward method past its hooks (then that wrapper).
     caller: nn.Module
     wrappers: tuple[str, ...] = ()  # class names, outermost first
+    optimizer: object = None  # the optimizer a wrapper steps (DeepSpeed's engine), else None
 
 
 def _known(model: object) -> tuple[Known, object] | None:
@@ -132,6 +138,7 @@ def unwrap_call(model: object) -> Unwrapped:
     through)."""
     names: list[str] = []
     caller: nn.Module | None = None
+    optimizer: object = None
     for _ in range(_DEPTH):
         found = _known(model)
         if found is None:
@@ -140,12 +147,14 @@ def unwrap_call(model: object) -> Unwrapped:
             if inner is None:
                 if not names:
                     _warn_inside(module)
-                return Unwrapped(module, caller or module, tuple(names))
+                return Unwrapped(module, caller or module, tuple(names), optimizer)
             names.append(type(module).__name__)
             model = inner
             continue
         known, reached = found
         names.append(type(model).__name__)
+        if known.optimizer and optimizer is None:
+            optimizer = getattr(model, known.optimizer, None)
         if known.name == "OptimizedModule":
             reached = unwrap_compiled(model)
         if not isinstance(reached, nn.Module):

@@ -3,8 +3,9 @@ multi-tensor norm (`torch._foreach_norm`, a fused kernel per device and dtype on
 each parameter's gradient norm, and from those few numbers come the parameters whose
 gradient holds a NaN/Inf (a non-finite norm: the test of `clip_grad_norm_(error_if_nonfinite=
 True)`, which also counts a norm that overflows), the total norm and the largest parameter's
-share of it. No host read; sharded by FSDP2, each rank reduces its shards and the total norm
-takes one all-reduce (SUM) of one number at the read."""
+share of it. No host read; sharded by FSDP2 or DeepSpeed's ZeRO (whose gradients live in its
+own buffers: guard/device/zero_grads.py), each rank reduces its shards and the total norm takes
+one all-reduce (SUM) of one number at the read."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from guard.checks import grads, nonfinite
 from guard.device.flags import Flags
 from guard.device.ops import one_thread
+from guard.device.zero_grads import is_zero, owner, partition_grad, zero_group
 
 __all__ = ["GradNorms"]
 
@@ -56,9 +58,13 @@ class GradNorms:
     def measure(self) -> None:
         """Device ops only: a parameter without a gradient (frozen, unused) is not counted."""
         dt = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-        found, grads_, group = [], [], None
+        found, grads_, group, ds = [], [], None, None
         for i, p in enumerate(self.params):
-            g = p.grad
+            if is_zero(p):  # ZeRO's slice of it, wherever its buffers keep it
+                g, ds = partition_grad(p), ds or owner(p)
+                group = group or zero_group(p)
+            else:
+                g = p.grad
             if g is None:
                 continue
             if dt is not None and isinstance(g, dt.DTensor):
@@ -68,14 +74,22 @@ class GradNorms:
             grads_.append(g)
         if not found:
             return
+        # DeepSpeed's fp16 with a dynamic loss scale skips every update whose gradients
+        # overflow, as a GradScaler does: its business, a skipped update, not a violation.
+        # Its gradients are still scaled here (it unscales inside its step).
+        scaled = self.scaled or getattr(ds, "dynamic_loss_scale", False) is True
+        scale = getattr(ds, "loss_scale", 1.0)  # a Python number (a host value already)
+        unscale = scale if isinstance(scale, int | float) and scale > 0 else 1.0
         f = self.flags
         with torch.no_grad(), one_thread(f.device):
             # One 0-dim float32 norm per gradient (a float16 norm would overflow at 65504).
             norms = torch._foreach_norm(grads_, 2, dtype=torch.float32)
             n = torch.stack(norms) if all(x.device == f.device for x in norms) else \
                 torch.stack([x.to(f.device) for x in norms])  # (k,)
+            if unscale != 1.0:
+                n = n / unscale
             bad = torch.isfinite(n).logical_not()
-            if self.scaled:
+            if scaled:
                 f.put(grads.SKIPPED, bad.any())
                 f.put(grads.WATCHED, 1.0)
             else:

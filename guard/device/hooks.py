@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from guard.device.compile import eager_at_top_level
 
-__all__ = ["Compiled", "Handle", "Kind", "hook", "registered", "wrap_loss"]
+__all__ = ["Compiled", "Handle", "Kind", "hook", "registered", "wrap_loss", "wrap_step"]
 
 # grad_accumulated: on a parameter, after its .grad was accumulated in a backward.
 Kind = Literal["forward_pre", "forward", "step_pre", "grad_accumulated"]
@@ -101,6 +101,38 @@ def wrap_loss(owner: nn.Module, fn: Callable[[Any], Any]) -> Handle:
 
     cast(Any, owner).loss_function = guarded_loss  # HF's property setter
     return _LossHandle(owner, had, before)
+
+
+class _StepHandle:
+    """What `wrap_step` returns: `remove()` takes the wrapper's `step` off the object."""
+
+    def __init__(self, owner: object, wrapped: Callable[..., Any]) -> None:
+        self._undo: tuple[object, Callable[..., Any]] | None = (owner, wrapped)
+
+    def remove(self) -> None:
+        if self._undo is None:
+            return
+        owner, wrapped = self._undo
+        self._undo = None
+        if owner.__dict__.get("step") is wrapped:
+            del owner.__dict__["step"]  # the class's step shows again
+
+
+def wrap_step(owner: object, fn: Callable[..., Any]) -> Handle:
+    """Make `owner.step(*args, **kwargs)` call `fn(step, *args, **kwargs)`, `step` being its
+    own: a step pre-hook for an optimizer wrapper that is no torch optimizer (DeepSpeed's,
+    whose one step is an update of every parameter group)."""
+    inner = getattr(fn, "__func__", fn)
+    _REGISTERED[inner.__code__] = inner.__qualname__
+    if "step" in vars(owner):
+        raise TypeError(f"{type(owner).__name__}.step is already wrapped")
+    step: Callable[..., Any] = cast(Any, owner).step
+
+    def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        return fn(step, *args, **kwargs)
+
+    owner.__dict__["step"] = guarded_step
+    return _StepHandle(owner, guarded_step)
 
 
 def registered() -> dict[CodeType, str]:

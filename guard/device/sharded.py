@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from guard.device.zero_rows import ZeroRows, is_partitioned
 from guard.errors import AttachError
 from guard.vocab.parallel import held_block, on_rows
 
-__all__ = ["RowShard", "register_sharded"]
+__all__ = ["RowShard", "register_sharded", "rows_of"]
 
 # Rows per block where a whole weight would otherwise be copied to float32 at once (a 128k x
 # 4096 embedding is 2 GiB in float32): 4096 x 4096 is 64 MiB.
@@ -128,6 +129,13 @@ class RowShard:
         largest = rows.norm(dim=-1).amax() if rows.shape[0] else rows.new_zeros(())
         self.all_reduce(largest, dist.ReduceOp.MAX)
         return largest
+
+
+def rows_of(weight: torch.Tensor, name: str, check: str = "padding_rows") -> RowShard | ZeroRows:
+    """The rows of `weight` this rank holds, as they are now: a ZeRO-3 partition (slices of
+    the flattened weight, guard/device/zero_rows.py), else a RowShard. Taken at each use, since
+    deepspeed.initialize may partition a weight after the guard attached."""
+    return ZeroRows(weight) if is_partitioned(weight) else RowShard.of(weight, name, check)
 
 
 def register_sharded(model: nn.Module) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from guard.device.compile import compiling
 from guard.device.dtensors import mask_columns
 from guard.device.hooks import Handle, wrap_loss
 from guard.device.logits import Logits, ProbeConfig
@@ -95,7 +96,17 @@ def changed(logits: torch.Tensor, head_outs: list[torch.Tensor]) -> bool:
     if not head_outs:
         return False
     return not any(logits is h or (logits.dtype != h.dtype and logits.shape == h.shape)
-                   for h in head_outs)
+                   or _alias(logits, h) for h in head_outs)
+
+
+def _alias(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same values under another tensor object: an identity autograd function between the
+    head and the loss (DeepSpeed ZeRO-3 passes every module's output through one, after hooks
+    registered before it). Storage metadata only; never while compiling (fake tensors)."""
+    if compiling():
+        return False
+    return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() and \
+        a.data_ptr() == b.data_ptr()
 
 
 def replace_logits(output: Any, old: torch.Tensor, new: torch.Tensor | None) -> Any:

@@ -4,14 +4,18 @@ guard/vocab/untrained_rules.py (ZERO, SMALL, SAME; the thresholds from the polic
 Per row of the real vocab [0, real): its largest magnitude, its norm, whether it is finite and
 two fingerprints of its bits. O(rows x hidden) once, a block of rows at a time; under FSDP2
 each rank fills the rows it holds and one all-reduce (SUM) gives every rank all of them, so
-every rank decides alike.
+every rank decides alike; under DeepSpeed ZeRO-3 every rank gathers one block of rows at a time
+(guard/device/zero_rows.py) and computes them all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from guard.device.sharded import RowShard
+from guard.device.zero_rows import ZeroRows
 from guard.vocab.untrained_rules import SAME, SMALL, ZERO
 
 __all__ = ["classify", "row_features"]
@@ -29,32 +33,42 @@ def _pieces(block: torch.Tensor) -> torch.Tensor:
     return block.contiguous().view(wide).to(torch.int64)
 
 
-def row_features(shard: RowShard, real: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _blocks(shard: RowShard | ZeroRows, real: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, (b, d) rows) of rows [0, real): those held here, or ZeRO-3's gathered."""
+    if isinstance(shard, ZeroRows):
+        yield from shard.blocks(real)
+        return
+    held = shard.rows_below(real).detach()  # (k, d): the rows held here
+    for i in range(0, held.shape[0], _BLOCK):
+        yield shard.first + i, held[i : i + _BLOCK]
+
+
+def row_features(shard: RowShard | ZeroRows, real: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [0, real) of the whole weight: (real, 3) float64 (max |value|, norm, finite) and
     (real, 2) int64 fingerprints of their bits; collective when sharded (every rank calls)."""
-    held = shard.rows_below(real).detach()  # (k, d): the rows held here
-    device = held.device
+    device = shard.local().device
     # One int64 buffer: the features' float64 bits beside the fingerprints, so that sharded,
     # one all-reduce (SUM) gathers both; each row is filled on one rank and 0 elsewhere, and
     # x + 0 is x bit for bit.
     packed = torch.zeros(real, 5, dtype=torch.int64, device=device)
     features, prints = packed[:, :3].view(torch.float64), packed[:, 3:]
-    if held.shape[0]:
-        width = _pieces(held[:1]).shape[1]
-        seed = torch.Generator().manual_seed(21)  # the same weights on every rank
-        weights = torch.randint(1, 1 << _WEIGHT_BITS, (2, width), generator=seed)
-        weights = weights.to(device)
-        for i in range(0, held.shape[0], _BLOCK):
-            block = held[i : i + _BLOCK]
+    weights = None
+    for first, block in _blocks(shard, real):
+        if weights is None:
+            seed = torch.Generator().manual_seed(21)  # the same weights on every rank
+            weights = torch.randint(1, 1 << _WEIGHT_BITS, (2, _pieces(block[:1]).shape[1]),
+                                    generator=seed).to(device)
+        if block.shape[0]:
             x = block.float()  # (b, d)
-            at = slice(shard.first + i, shard.first + i + block.shape[0])
+            at = slice(first, first + block.shape[0])
             features[at, 0] = x.abs().amax(dim=1).double()
             features[at, 1] = x.norm(dim=1).double()
             features[at, 2] = torch.isfinite(x).all(dim=1).double()
             bits = _pieces(block)  # (b, m)
             for j in range(2):
                 prints[at, j] = (bits * weights[j]).sum(dim=1)
-    shard.all_reduce(packed)
+    if isinstance(shard, RowShard):  # ZeRO-3's blocks were gathered: every rank has all
+        shard.all_reduce(packed)
     return features, prints
 
 

@@ -19,8 +19,11 @@ import torch.distributed as dist
 
 from guard.checks import untrained_rows as spec
 from guard.device.flags import Flags
+from guard.device.masters import Masters
 from guard.device.rows import VocabWeight
-from guard.device.sharded import RowShard
+from guard.device.sharded import RowShard, rows_of
+from guard.device.zero_rows import ZeroRows
+from guard.vocab.discover import weight_shape
 from guard_server.wire import IdKind, WeightName
 
 __all__ = ["UntrainedTables", "UntrainedWeight", "id_kind"]
@@ -36,7 +39,7 @@ class UntrainedWeight:
     """The untrained rows of one weight (of the real vocab), and its state on the device."""
 
     weight: VocabWeight
-    shard: RowShard
+    shard: RowShard | ZeroRows  # as at attach (the repair takes the rows as they are then)
     ids: list[int]  # the untrained rows, ids of the whole vocab
     why: list[int]  # per id, guard/device/untrained_rules.py's bits
     reference: float  # the median norm of its other rows
@@ -52,16 +55,18 @@ class UntrainedTables:
     """The lookup tables, the ids used and the rows left; `count` runs in the id hooks
     (guard/device/ids.py), `check` before each read, `repair` at a violation under `repair`."""
 
-    def __init__(self, weights: Sequence[UntrainedWeight], flags: Flags) -> None:
+    def __init__(self, weights: Sequence[UntrainedWeight], flags: Flags,
+                 masters: Masters | None = None) -> None:
         self.weights = list(weights)
         self.flags = flags
+        self.masters = masters or Masters(None)  # a repair writes the optimizer's copy too
         self.ids = sorted({i for w in weights for i in w.ids})  # every untrained id, once
         self.n = len(self.ids)
         place = {i: k for k, i in enumerate(self.ids)}
         device = weights[0].shard.local().device
         self.tables: dict[IdKind, torch.Tensor] = {}
         for w in weights:
-            rows = w.weight.tensor.shape[0]
+            rows = weight_shape(w.weight.tensor)[0]
             w.pos = torch.tensor([place[i] for i in w.ids], dtype=torch.int64, device=device)
             w.pending = torch.ones(len(w.ids), dtype=torch.bool, device=device)
             w.keep = torch.arange(rows, device=device) < w.weight.real
@@ -125,19 +130,16 @@ class UntrainedTables:
         with torch.no_grad():
             hit = self._union(reduce=True)[: self.n] > 0
             for w in self.weights:
-                mean = w.shard.mean_below(w.weight.real, keep=w.keep)  # (d,) float32
-                local = w.shard.local()
+                shard = rows_of(w.weight.tensor, w.weight.name, "untrained_rows")
+                mean = shard.mean_below(w.weight.real, keep=w.keep)  # (d,) float32
                 write = hit.to(w.pos.device)[w.pos] & w.pending & torch.isfinite(mean).all()
-                here = [j for j, i in enumerate(w.ids)
-                        if w.shard.first <= i < w.shard.first + w.shard.count]
-                if here:  # the rows this rank holds (all of them, unless FSDP2 shards them)
-                    at = torch.tensor(here, device=local.device)
-                    rows = torch.tensor([w.ids[j] - w.shard.first for j in here],
-                                        device=local.device)
-                    fill = torch.where(write[at].unsqueeze(1).to(local.device),
-                                       mean.to(local.dtype).to(local.device),
-                                       local.index_select(0, rows))
-                    local.index_copy_(0, rows, fill)
+                if isinstance(shard, ZeroRows):  # each row's elements held here
+                    for j, i in enumerate(w.ids):
+                        shard.fill(i, i + 1, mean, write[j])
+                else:
+                    self._write(shard, w, write, mean)
+                for j, i in enumerate(w.ids):  # the optimizer's copy (its moments zeroed)
+                    self.masters.written(w.weight.tensor, i, i + 1, write[j])
                 w.pending &= ~write
                 for role in w.weight.roles:
                     kind = id_kind(role)
@@ -145,6 +147,21 @@ class UntrainedTables:
                         ids = torch.tensor(w.ids, device=w.pos.device)
                         self.tables[kind].index_copy_(
                             0, ids, torch.where(w.pending, w.pos, self.n))
+
+    @staticmethod
+    def _write(shard: RowShard, w: UntrainedWeight, write: torch.Tensor,
+               mean: torch.Tensor) -> None:
+        """The rows of `w.ids` this rank holds (all of them, unless FSDP2 shards them) set to
+        `mean` where `write` says."""
+        local = shard.local()
+        here = [j for j, i in enumerate(w.ids) if shard.first <= i < shard.first + shard.count]
+        if here:
+            at = torch.tensor(here, device=local.device)
+            rows = torch.tensor([w.ids[j] - shard.first for j in here], device=local.device)
+            fill = torch.where(write[at].unsqueeze(1).to(local.device),
+                               mean.to(local.dtype).to(local.device),
+                               local.index_select(0, rows))
+            local.index_copy_(0, rows, fill)
 
     def _union(self, *, reduce: bool) -> torch.Tensor:
         """`used`, max-combined over ranks when `reduce` and distributed (kept so)."""

@@ -27,10 +27,16 @@ class GradState(CheckState):
     @classmethod
     def attach(cls, at: Attaching) -> GradState | None:
         """The optimizer's parameters (every group's), or the model's trainable ones when the
-        loop gives g.step() instead (None: nothing trains)."""
+        loop gives g.step() instead, or when the optimizer steps copies of its own (DeepSpeed's
+        ZeRO gives the torch optimizer flat fp32 partitions, none of the model's parameters;
+        their gradients are found through the model's, guard/device/zero_grads.py). None:
+        nothing trains."""
+        model = [p for p in at.model.parameters() if p.requires_grad]
         params = ([p for g in at.optimizer.param_groups for p in g["params"]]
-                  if at.optimizer is not None else
-                  [p for p in at.model.parameters() if p.requires_grad])
+                  if at.optimizer is not None else model)
+        mine = {id(p) for p in model}
+        if not any(id(p) in mine for p in params):
+            params = model
         if not params:
             return None
         named: dict[int, str] = {}

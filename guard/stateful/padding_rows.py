@@ -9,8 +9,9 @@ import logging
 from torch import nn
 
 from guard.checks import padding_rows
+from guard.device.masters import Masters
 from guard.device.reading import Reading
-from guard.device.rows import PaddingRows, vocab_weights
+from guard.device.rows import PaddingRows, unread_rows, vocab_weights
 from guard.policy import Action
 from guard.stateful.state import Attaching, CheckState
 
@@ -24,7 +25,7 @@ class PaddingRowsState(CheckState):
     at_detach = False  # reads the weights
 
     def __init__(self, rows: PaddingRows | None, action: Action, real: int, total: int, *,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, unread: str | None = None) -> None:
         # None where no weight has a padding row on this process (a vocab-parallel shard of
         # real ids only): it checks nothing, the other ranks report theirs.
         self.rows = rows
@@ -32,15 +33,20 @@ class PaddingRowsState(CheckState):
         self.real, self.total = real, total  # of the whole vocab: the padding ids [real, total)
         self.sharded = sharded  # the rows are a vocab-parallel shard's: some rank holds them
         self.names = "the padding rows" if rows is None else rows.names
+        self._unread = unread  # the weights whose rows cannot be read, and why
 
     @classmethod
     def attach(cls, at: Attaching) -> PaddingRowsState:
         s = at.sizes
-        state = cls(PaddingRows.of(at.flags, at.heads, s.first_padding),
-                    at.policy.action("padding_rows"), s.real, s.rows, sharded=s.shard is not None)
+        state = cls(PaddingRows.of(at.flags, at.heads, s.first_padding, Masters(at.optimizer)),
+                    at.policy.action("padding_rows"), s.real, s.rows, sharded=s.shard is not None,
+                    unread=unread_rows(at.heads, s.first_padding))
         if state.sharded:  # every rank names them alike, whichever holds padding rows
             state.names = " and ".join(h.name for h in vocab_weights(at.heads, s.first_padding))
         return state
+
+    def unread(self) -> str | None:
+        return self._unread
 
     @property
     def reads_at_attach(self) -> bool:

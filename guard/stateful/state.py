@@ -97,6 +97,11 @@ class CheckState:
     def repair(self) -> None:
         """Its `repair` action, at a read where its check fired (and `Guard.repair()`)."""
 
+    def unread(self) -> str | None:
+        """The weights whose rows it cannot read between steps, and why (a coverage violation
+        at attach; None: it reads them all)."""
+        return None
+
     def attach_note(self, rank: int) -> str | None:
         """What it found at attach, said once (None: nothing to say)."""
         return None

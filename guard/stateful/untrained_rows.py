@@ -14,13 +14,16 @@ from typing import Any
 import torch
 
 from guard.checks import untrained_rows
+from guard.device.masters import Masters
 from guard.device.reading import Reading
-from guard.device.rows import vocab_weights
-from guard.device.sharded import RowShard
+from guard.device.rows import unread_rows, vocab_weights
+from guard.device.sharded import rows_of
 from guard.device.untrained_rules import classify, row_features
 from guard.device.untrained_tables import UntrainedTables, UntrainedWeight
+from guard.device.zero_rows import unreadable
 from guard.policy import Action, Policy
 from guard.stateful.state import Attaching, CheckState, Finding
+from guard.vocab.discover import weight_shape
 from guard.vocab.real import checkpoint_dir
 from guard.vocab.tokenizer_files import tokenizer_tokens
 from guard.vocab.untrained_rules import by_reason, id_list, reasons
@@ -58,6 +61,7 @@ class UntrainedRowsState(CheckState):
         self.policy, self.tokens = policy, tokens
         self._modules = modules  # the embedding's and the head's names, for PEFT's message
         self._named: set[int] = set()  # the ids a message named
+        self._unread: str | None = None  # the weights whose rows cannot be read, and why
 
     @classmethod
     def attach(cls, at: Attaching) -> UntrainedRowsState | None:
@@ -74,8 +78,10 @@ class UntrainedRowsState(CheckState):
         found = []
         with torch.no_grad():
             for h in vocab_weights(heads, sizes.first_padding):
-                shard = RowShard.of(h.tensor, h.name, "untrained_rows")
-                features, prints = row_features(shard, min(h.real, h.tensor.shape[0]))
+                if unreadable(h.tensor) is not None:  # said at attach (unread)
+                    continue
+                shard = rows_of(h.tensor, h.name, "untrained_rows")
+                features, prints = row_features(shard, min(h.real, weight_shape(h.tensor)[0]))
                 why, reference = classify(features, prints, epsilon=rules.epsilon,
                                           norm_ratio=rules.norm_ratio,
                                           duplicates=rules.duplicates)
@@ -91,8 +97,13 @@ class UntrainedRowsState(CheckState):
                 found.append(UntrainedWeight(h, shard, [i for i, _ in kept], [w for _, w in kept],
                                              ref if math.isfinite(ref) else 0.0, exempt))
         tokens = token_names(sorted({i for w in found for i in w.ids}), at.tokenizer, at.model)
-        return cls(found, UntrainedTables(found, at.flags), at.policy, tokens,
-                   (heads.embedding_name, heads.lm_head_name))
+        tables = UntrainedTables(found, at.flags, Masters(at.optimizer))
+        state = cls(found, tables, at.policy, tokens, (heads.embedding_name, heads.lm_head_name))
+        state._unread = unread_rows(heads, sizes.first_padding)
+        return state
+
+    def unread(self) -> str | None:
+        return self._unread
 
     @property
     def reads_at_attach(self) -> bool:

@@ -18,6 +18,7 @@ this optimizer step; so do the read at attach (`start`) and what is left at deta
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Literal, Protocol, get_args
 
 import torch
@@ -29,6 +30,7 @@ from guard.device.reading import Reading
 from guard.errors import AttachError
 from guard.policy import Action, Policy
 from guard.step.reader import When
+from guard.step.zero import OuterStep
 
 __all__ = ["Boundary", "Device", "OnRead", "StepClock", "Steps", "boundary_of",
            "check_boundaries"]
@@ -121,29 +123,52 @@ class StepClock:
         # reached it since the last update (a step the loop then skips still ends here).
         self._watched: torch.Tensor | None = None
         self._backward = False
+        # A DeepSpeed optimizer's step is the boundary where one wraps the torch optimizer
+        # (guard/step/zero.py): bound at attach, or at the first training forward after a
+        # deepspeed.initialize that came after the attach.
+        self.outer = OuterStep(self.tick)
 
     @classmethod
     def from_policy(cls, policy: Policy, device: Device, reader: OnRead, *,
-                    optimizer: torch.optim.Optimizer | None, steps: Steps) -> StepClock:
-        return cls(device, reader, boundary=boundary_of(optimizer, steps),
-                   read_every=policy.cadence.read_every,
-                   may_lag=policy.host_may_lag)
+                    optimizer: torch.optim.Optimizer | None, steps: Steps,
+                    outer: object | None = None) -> StepClock:
+        clock = cls(device, reader, boundary=boundary_of(optimizer, steps),
+                    read_every=policy.cadence.read_every, may_lag=policy.host_may_lag)
+        if outer is not None and steps != "manual":
+            clock.boundary = "optimizer"
+            clock.outer.bound = outer  # wrapped at install
+        return clock
 
     def install(self, model: nn.Module,
                 optimizer: torch.optim.Optimizer | None) -> list[Handle]:
         """The hooks of this clock's boundary (none for `manual`)."""
+        late: list[Handle] = []
+        if self.outer.bound is None and self.boundary != "manual" and "deepspeed" in sys.modules:
+            # deepspeed.initialize may come after the attach (guard/step/zero.py)
+            self.outer.model = frozenset(id(p) for p in model.parameters())
+            late = [hook(model, self._bind_late, kind="forward_pre", compiled="eager",
+                         prepend=True)]
+        if self.outer.bound is not None:
+            self.outer.bind(self.outer.bound)
+            # DeepSpeed's own overflow skip is counted from the gradients (guard/device/grads.py)
+            return [] if optimizer is None else [hook(optimizer, self._optimizer_pre,
+                                                      kind="step_pre")]
         if self.boundary == "optimizer" and optimizer is not None:
             return [hook(optimizer, self._optimizer_pre, kind="step_pre"),
-                    *self._skips(model, optimizer)]
+                    *self._skips(model, optimizer), *late]
         if self.boundary != "forward":
-            return []
+            return late
         # The start may read the flags, so torch.compile must never trace it: it runs eagerly
         # before the compiled frame of a compiled model; inlined into a larger compiled
         # function it costs one graph break. Prepended: the boundary closes the previous step
         # before this forward's hooks add to the flags.
         return [hook(model, self._forward_start, kind="forward_pre", compiled="never",
                      prepend=True),
-                hook(model, self._forward_end, kind="forward", compiled="eager")]
+                hook(model, self._forward_end, kind="forward", compiled="eager"), *late]
+
+    def remove(self) -> None:
+        """What the clock put on a DeepSpeed optimizer (the model's hooks are the guard's)."""
+        self.outer.unbind()
 
     def _skips(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Handle]:
         """A loop may skip the optimizer's step after its backward (GradScaler, when it found
@@ -231,8 +256,20 @@ class StepClock:
             self._device.skipped_update()
             self.tick()
 
+    def _bind_late(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        # Attached before deepspeed.initialize: once a DeepSpeed optimizer updates the model,
+        # its step is the boundary (the torch optimizer's calls inside it are not steps).
+        # Traced inside a compiled training step it does nothing (host state only).
+        if compiling():
+            return
+        if module.training and torch.is_grad_enabled() and \
+                self.outer.late(module, hooked=self.boundary == "optimizer"):
+            self.boundary, self._pending, self._watched = "optimizer", False, None
+
     def _optimizer_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._backward = False  # this backward's update comes now
+        if self.outer.within(opt):  # one group of a DeepSpeed update: its step is the boundary
+            return
         # The hook sees step's own args: (optimizer, closure?) and kwargs.
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if self.tick(in_step=True, closure=closure is not None):

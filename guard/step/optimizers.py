@@ -1,8 +1,10 @@
 """The torch optimizer the guard hooks, inside whatever wrapper a framework hands the user:
 accelerate's `AcceleratedOptimizer` (`.optimizer`; a subclass of torch.optim.Optimizer that
 never runs its `__init__`, so it has no hooks of its own), Lightning's `LightningOptimizer`
-(`._optimizer`), DeepSpeed's ZeRO optimizers (`.optimizer`). The wrapper's `step()` calls the
-inner optimizer's, whose step pre-hook is the guard's boundary: before the update."""
+(`._optimizer`), DeepSpeed's ZeRO optimizers (`.optimizer`), and DeepSpeed's engine itself
+(`.optimizer`). The wrapper's `step()` calls the inner optimizer's, whose step pre-hook is the
+guard's boundary: before the update; except where a DeepSpeed optimizer calls it once per
+parameter group: its own step is the boundary then (`outer`, guard/step/zero.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from guard.errors import AttachError
+from guard.step.zero import is_deepspeed
 
 __all__ = ["Unwrapped", "torch_optimizer", "unwrap_optimizer"]
 
@@ -24,6 +27,7 @@ class Unwrapped:
     # `gradient_accumulation_steps`: its step() updates only at the last one); 1 otherwise.
     accumulation: int = 1
     wrapper: str = ""  # the outermost wrapper's class name, "" when given the optimizer itself
+    outer: object | None = None  # the DeepSpeed optimizer among the wrappers (its step: one update)
 
 
 def _inner(obj: object) -> object | None:
@@ -55,7 +59,8 @@ def unwrap_optimizer(given: object) -> Unwrapped:
     state = getattr(given, "gradient_state", None)  # accelerate's shared GradientState
     steps = getattr(state, "num_steps", 1)
     accumulation = steps if isinstance(steps, int) and steps > 1 else 1
-    return Unwrapped(obj, accumulation, type(given).__name__ if wrappers else "")
+    outer = next((w for w in wrappers if is_deepspeed(w)), None)
+    return Unwrapped(obj, accumulation, type(given).__name__ if wrappers else "", outer)
 
 
 def torch_optimizer(optimizer: object) -> torch.optim.Optimizer | None:

@@ -4,6 +4,7 @@ no tensor, no state."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from guard.checks import CHECKS, Context, watching
@@ -110,10 +111,13 @@ def judge(reading: Reading, policy: Policy, *, step: int, real: int, rows: int,
 
 
 def attach_verdict(audit: Audit, policy: Policy, rank: int, *,
-                   found: Real | None = None) -> Verdict:
+                   found: Real | None = None,
+                   unread: Sequence[tuple[CheckName, str]] = ()) -> Verdict:
     """The attach-time checks at step 0, alignment and vocab (`fail` stops before step 1),
     and coverage of the real vocab: `found` says where it came from (not found: every row is
-    taken as real, and the checks of padding columns and ghost ids see nothing)."""
+    taken as real, and the checks of padding columns and ghost ids see nothing); `unread`: per
+    check, the weights whose rows it cannot read between steps, and why (never taken for
+    healthy ones)."""
     multiple = audit.pad_multiple * audit.tensor_parallel
     out = []
     attach_checks: tuple[tuple[CheckName, tuple[str, ...]], ...] = (
@@ -147,4 +151,12 @@ def attach_verdict(audit: Audit, policy: Policy, rank: int, *,
             f"seen; {_STOP if action is Action.FAIL else _NEXT[action]}. "
             f"Give it: {GIVE_IT}; vocab.require_real_size: true makes this an error."),
             rank=rank, value=1.0, threshold=0.0, once="coverage:real_vocab"))
+    if unread and policy.enabled("coverage"):
+        action = policy.action("coverage")
+        what = "; ".join(f"{check} cannot read {why}" for check, why in unread)
+        out.append(Violation("coverage", action, 0, (
+            f"coverage on rank {rank} at attach: {what}, so those rows are neither checked nor "
+            f"repaired; {_STOP if action is Action.FAIL else _NEXT[action]}. Fix: keep the "
+            "weights' partitions in memory (ZeRO-3's offload_param to cpu, not nvme), or turn "
+            "those checks off."), rank=rank, value=1.0, threshold=0.0, once="coverage:rows"))
     return Verdict(tuple(out))

@@ -11,7 +11,7 @@ from guard.errors import AttachError
 from guard.vocab import megatron
 from guard.wrappers import unwrap
 
-__all__ = ["Heads", "discover", "find_heads"]
+__all__ = ["Heads", "discover", "find_heads", "weight_shape"]
 
 # Names used by nanoGPT, HF, Llama-style and Megatron-style code for the output projection.
 _HEAD_NAMES = ("lm_head", "output", "head", "output_layer", "embed_out", "cls")
@@ -61,17 +61,24 @@ class Heads:
         return _rows(self.head_holder, self.lm_head_name)
 
 
+def weight_shape(w: object) -> tuple[int, ...]:
+    """A parameter's whole shape: its own, or under DeepSpeed ZeRO-3, where outside a forward
+    the parameter is an empty partition (`shape == [0]`), the one `ds_shape` keeps."""
+    shape = getattr(w, "ds_shape", None) if hasattr(w, "ds_id") else None
+    return tuple(int(n) for n in (shape if shape is not None else getattr(w, "shape", ())))
+
+
 def _weight(m: object) -> object:
     return getattr(m, "weight", None)
 
 
 def _rows(m: nn.Module, name: str) -> int:
-    w = getattr(m, "weight", None)
-    if w is None or w.dim() != 2:
+    shape = weight_shape(getattr(m, "weight", None))
+    if len(shape) != 2:
         raise AttachError(
             f"{name} ({type(m).__name__}) has no 2-D weight; pass embedding= / lm_head="
         )
-    return int(w.shape[0])  # Embedding (rows, d) and Linear (out, in) both keep the vocab first
+    return shape[0]  # Embedding (rows, d) and Linear (out, in) both keep the vocab first
 
 
 def _name_of(model: nn.Module, target: nn.Module) -> str:
@@ -167,9 +174,9 @@ def _find_embedding(model: nn.Module, head: nn.Module) -> nn.Module:
 
 
 def _find_final_norm(model: nn.Module, head: nn.Module) -> nn.Module | None:
-    width = getattr(getattr(head, "weight", None), "shape", (0, 0))[-1]
+    width = (weight_shape(getattr(head, "weight", None)) or (0,))[-1]
     named = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in _FINAL_NORM_NAMES
-             and getattr(getattr(m, "weight", None), "shape", None) == (width,)]
+             and weight_shape(getattr(m, "weight", None)) == (width,)]
     return named[-1] if named else None  # the last: decoder stacks name their inner norms too
 
 

@@ -47,21 +47,28 @@ def run_ranks(tmp_path: Path, mode: str, env: dict[str, str] | None = None, *,
     is given OUT_DIR and MODE only)."""
     serve = free_ports(nproc)  # port + LOCAL_RANK for each rank
     args = [str(serve), mode] if worker == WORKER else [mode]
+    args = ["--rdzv-id", RUN_ID, str(worker), str(tmp_path), *args]
+    return run_ranks_with(tmp_path, args, env, TIMEOUT_S, nproc=nproc), serve
+
+
+def run_ranks_with(tmp_path: Path, args: list[str], env: dict[str, str] | None,
+                   timeout: float, *, nproc: int = 2) -> list[dict[str, Any]]:
+    """torchrun with `nproc` ranks on `args` (a worker script and its arguments), killed whole
+    after `timeout` seconds; each rank's JSON result from tmp_path/rank<N>.json."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_ports(1)),
-           "--rdzv-id", RUN_ID, str(worker), str(tmp_path), *args]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_ports(1)), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     # Its own session, so a hang is killed whole: torchrun and both ranks.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
     try:
-        _, err = proc.communicate(timeout=TIMEOUT_S)
+        _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
-        pytest.fail(f"a rank hung: torchrun still running after {TIMEOUT_S} s\n{err[-4000:]}")
+        pytest.fail(f"a rank hung: torchrun still running after {timeout} s\n{err[-4000:]}")
     assert proc.returncode == 0, err[-4000:]  # every rank exited, none crashed
-    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(nproc)], serve
+    return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(nproc)]
 
 
 def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int, attach: int = 0,

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from guard.device.ops import sample_size
+from guard.policy import Policy
 from tests.integrations.test_distributed import run_ranks
-from tests.integrations.tp_models import REAL
+from tests.integrations.tp_models import B, REAL, T
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 
@@ -92,7 +94,8 @@ def assert_nan_stops_every_rank(ranks: list[dict[str, Any]]) -> None:
         assert res["raised_at"] == 2 and res["unchanged"]
         assert (v["check"], v["step"], v["rank"]) == ("nonfinite", 2, len(ranks) - 1)
         assert "Localisation: " in v["message"] and "forward raised" not in v["message"]
-    assert [r["logits"] for r in ranks] == [4] + [0] * (len(ranks) - 1)
+    sampled = sample_size(B * T, Policy().checks.padding_mass.sample_tokens)
+    assert [r["logits"] for r in ranks] == [sampled] + [0] * (len(ranks) - 1)
 
 
 CHECKS = {"healthy": assert_healthy_is_quiet, "garbage": assert_garbage_stops_every_rank,

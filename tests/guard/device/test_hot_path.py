@@ -91,15 +91,16 @@ def _imported(tree: ast.Module, name: str) -> tuple[Path, Function] | None:
 
 def hooked_functions() -> dict[tuple[str, int], Function]:
     """Every function given to `hook(...)` (or `wrap_loss(...)`: it runs inside the model's
-    loss function) under guard/, by (file, line of its def): a method
-    (`self._x`), a function of the module, or the nested function a factory call returns."""
+    loss function; `wrap_step(...)`: inside a DeepSpeed optimizer's step) under guard/, by
+    (file, line of its def): a method (`self._x`), a function of the module, or the nested
+    function a factory call returns."""
     found: dict[tuple[str, int], Function] = {}
     for path in GUARD.rglob("*.py"):
         tree = ast.parse(path.read_text())
         parents = _scopes(tree)
         for call in ast.walk(tree):
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-                    and call.func.id in ("hook", "wrap_loss") and len(call.args) >= 2):
+                    and call.func.id in ("hook", "wrap_loss", "wrap_step") and len(call.args) >= 2):
                 continue
             arg, scope = call.args[1], parents[call]
             while not isinstance(scope, ast.ClassDef | ast.Module):
