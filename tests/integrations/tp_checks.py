@@ -12,7 +12,7 @@ import pytest
 from guard.device.ops import sample_size
 from guard.policy import Policy
 from tests.integrations.test_distributed import run_ranks
-from tests.integrations.tp_models import B, REAL, T
+from tests.integrations.tp_models import REAL, B, T
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 
