@@ -33,9 +33,10 @@ from pathlib import Path
 
 import httpx
 
+from guard_server.families import MAX_SERIES_PER_RANK, TYPICAL_SERIES_PER_RANK, series_of
 from guard_server.settings import Settings
 from guard_server.testing import free_port
-from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
+from guard_server.wire import ACTIONS, CHECKS, ID_KINDS, MAX_COUNT, TENSORS, WEIGHTS, StepReport
 
 HEADING = "## Ingest (bench/ingest.py)"
 BODIES_PER_RANK = 8  # cycled; later cycles repeat old steps, which the store ingests as well
@@ -76,7 +77,9 @@ class Result:
 
 
 def _report(step: int, event: bool) -> dict[str, object]:
-    # Values as a healthy guarded run sends them; one report in 50 carries a violation.
+    # Values as a healthy guarded rank sends them under the default policy (every field of
+    # today's wire, each enabled check's violations at 0 from the start); one report in 50
+    # carries a violation. Its series are families.TYPICAL_SERIES_PER_RANK (`_held_to`).
     events = [
         {
             "check": "token_range",
@@ -86,6 +89,8 @@ def _report(step: int, event: bool) -> dict[str, object]:
             "module": None,
         }
     ]
+    violations: dict[str, dict[str, int]] = {check: {"warn": 0} for check in CHECKS}
+    violations["token_range"] = {"warn": step // 50}
     return {
         "attach_id": "bench-attach-0001",
         "step": step,
@@ -93,15 +98,23 @@ def _report(step: int, event: bool) -> dict[str, object]:
         "loss": 2.0 + 1.0 / (1 + step),
         "padding_mass": 1.2e-09,
         "padding_mass_max": 4.0e-08,
-        "nonfinite": {"logits": 0, "hidden": 0, "loss": 0},
+        "nonfinite": {"logits": 0, "hidden": 0, "loss": 0, "grad": 0},
         "out_of_range": {"input": 0, "label": step // 50},
-        "violations": {"token_range": {"warn": step // 50}},
+        "untrained_rows": {"embedding": 0, "lm_head": 0},
+        "untrained_tokens": {"input": 0, "label": 0},
+        "violations": violations,
         "skipped_steps": 0,
         "halted": None,
         "vocab": {"real": 50257, "rows": 50304, "aligned": 50304},
         "dropped_reports": 0,
         "final": False,
         "events": events if event else [],
+        "grad_norm": 1.25 + 1.0 / (1 + step),
+        "grad_norm_top": "transformer.h.3.mlp.c_proj.weight",
+        "grad_norm_top_share": 0.21,
+        "logsumexp": 10.8,
+        "logsumexp_max": 11.9,
+        "scaler_skipped_steps": 0,
     }
 
 
@@ -117,15 +130,37 @@ def _bodies(run_id: str, rank: int, batch: int, count: int) -> list[bytes]:
 def _worst_body(n: int) -> bytes:
     # The rank a scrape costs most: every check with every action, a halt, every optional
     # value, a 128-character run_id and counts at 2**53 (the longest sample values).
-    report = _report(MAX_COUNT, False) | {
+    report = _worst_report()
+    run_id = f"worst-{n // 4096:03d}".ljust(128, "x")
+    return json.dumps({"run_id": run_id, "rank": n % 4096, "reports": [report]}).encode()
+
+
+def _worst_report() -> dict[str, object]:
+    """The costliest report: its series are families.MAX_SERIES_PER_RANK (`_held_to`)."""
+    return _report(MAX_COUNT, False) | {
         "violations": {check: dict.fromkeys(ACTIONS, MAX_COUNT) for check in CHECKS},
         "halted": "nonfinite",
         "skipped_steps": MAX_COUNT,
         "dropped_reports": MAX_COUNT,
-        "nonfinite": dict.fromkeys(("logits", "hidden", "loss"), MAX_COUNT),
+        "nonfinite": dict.fromkeys(TENSORS, MAX_COUNT),
+        "out_of_range": dict.fromkeys(ID_KINDS, MAX_COUNT),
+        "untrained_rows": dict.fromkeys(WEIGHTS, MAX_COUNT),
+        "untrained_tokens": dict.fromkeys(ID_KINDS, MAX_COUNT),
+        "scaler_skipped_steps": MAX_COUNT,
     }
-    run_id = f"worst-{n // 4096:03d}".ljust(128, "x")
-    return json.dumps({"run_id": run_id, "rank": n % 4096, "reports": [report]}).encode()
+
+
+def _default(setting: str) -> object:
+    return Settings.model_fields[setting].default
+
+
+def _held_to() -> None:
+    """The bench's typical and costliest ranks are the families table's: a field added to the
+    wire and not here would make the scrape figures those of a smaller rank."""
+    for report, want in ((_report(0, False), TYPICAL_SERIES_PER_RANK),
+                         (_worst_report(), MAX_SERIES_PER_RANK)):
+        got = series_of(StepReport.model_validate(report))
+        assert got == want, f"bench report has {got} series, the families table says {want}"
 
 
 @contextlib.contextmanager
@@ -283,10 +318,12 @@ def render(
         "",
         "Scrape of `/metrics` (median of the repeats, wall time at the client; runs of at "
         "most 4096 ranks, the default per-run cap). Prometheus' default `scrape_timeout` is "
-        "10 s; the server's default caps (GUARD_SERVER_MAX_RANKS 16384, GUARD_SERVER_MAX_SERIES "
-        "393216) keep a full scrape inside it, typical ranks (~16 series each) or the costliest "
-        "(\"worst case\": 56 series each, every check with every action, a halt, 128-character "
-        "run_ids, counts at 2**53; as many as the caps admit):",
+        "10 s; the server's default caps (GUARD_SERVER_MAX_RANKS "
+        f"{_default('max_ranks')}, GUARD_SERVER_MAX_SERIES {_default('max_series')}) keep a full "
+        f"scrape inside it, typical ranks ({TYPICAL_SERIES_PER_RANK} series each: a healthy "
+        "rank of the default policy) or the costliest (\"worst case\": "
+        f"{MAX_SERIES_PER_RANK} series each, every check with every action, a halt, every "
+        "optional value, 128-character run_ids, counts at 2**53; as many as the caps admit):",
         "",
         "| ranks | format | series | bytes | median ms |",
         "|---|---|---|---|---|",
@@ -329,6 +366,7 @@ def main() -> None:
                         "server's own; smaller for a quick run)")
     parser.add_argument("--write", type=Path, help="update this markdown file's Ingest section")
     args = parser.parse_args()
+    _held_to()
     scenarios = [
         Scenario("saturate, batched", ranks=16, batch=100, interval_s=None),
         Scenario("saturate, batched", ranks=64, batch=100, interval_s=None),
@@ -343,11 +381,13 @@ def main() -> None:
         print(results[-1].row(), flush=True)
     scrapes = {}
     for ranks in map(int, args.scrape_ranks.split(",")):
-        with server() as url:
+        # Under the server's own rank cap, whose scrape reserve (Settings.inflight_bytes)
+        # leaves the byte budget room for 16,384 typical ranks (65,536 would not).
+        with server(max_ranks=str(_default("max_ranks"))) as url:
             scrapes[str(ranks)] = scrape_times(url, ranks, args.scrape_repeats)
         print(ranks, {k: round(v) for k, v in scrapes[str(ranks)].items()}, flush=True)
     # The worst case under the server's own caps: MAX_RANKS back at its default.
-    caps = {"max_ranks": str(Settings.model_fields["max_ranks"].default)}
+    caps = {"max_ranks": str(_default("max_ranks"))}
     if args.worst_series is not None:
         caps["max_series"] = str(args.worst_series)
     with server(**caps) as url:

@@ -137,3 +137,23 @@ def test_the_series_figures_in_docs_server_md_are_the_codes() -> None:
     assert (f"`GUARD_SERVER_MAX_SERIES` ({cap:,}, {MAX_RANKS:,} x {cap // MAX_RANKS}) admits "
             f"every rank the other caps allow of the typical kind, with {SPARE_SERIES} series "
             f"to spare each, and {cap // MAX_SERIES_PER_RANK:,} of the costliest") in doc
+
+
+def test_the_default_byte_budget_holds_every_typical_rank_the_rank_cap_allows(
+        make_batch: Any) -> None:
+    # A healthy rank of the default policy (every check reported at 0, its gradient's largest
+    # parameter named), as many as GUARD_SERVER_MAX_RANKS allows, each run as full as
+    # MAX_RANKS_PER_RUN: the series cap admits them (above), and so must the byte budget, or
+    # part of the fleet docs/server.md sizes the caps for is refused with 429 over_budget.
+    from guard_server.budget import report_bytes, run_bytes
+    from guard_server.settings import MAX_RANKS
+    from guard_server.wire import CHECKS, StepReport
+
+    settings = Settings()
+    report = StepReport.model_validate(make_batch(
+        violations={check: {"warn": 0} for check in CHECKS},
+        grad_norm=1.5, grad_norm_top="model.layers.31.mlp.down_proj.weight",
+        grad_norm_top_share=0.2)["reports"][0])
+    runs = -(-MAX_RANKS // settings.max_ranks_per_run)
+    held = MAX_RANKS * report_bytes(report) + runs * run_bytes("r" * 64)
+    assert held <= settings.state_bytes, (held, settings.state_bytes)
