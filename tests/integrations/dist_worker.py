@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 from datetime import timedelta
@@ -37,6 +38,17 @@ from tests.guard.test_backward_nan import NaNBackward
 from tests.integrations.nanogpt import nanogpt
 
 GHOST_RANK, GHOST_STEP, STEPS = 1, 3, 6
+
+
+class Logged(logging.Handler):
+    """The guard logger's warnings and errors while a case runs: a healthy run says none."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def count_calls(owner: Any, name: str, counts: dict[str, int], key: str) -> None:

@@ -27,20 +27,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import guard
 from tests.guard.test_backward_nan import NaNBackward
-from tests.integrations.dist_worker import finish
+from tests.integrations.dist_worker import Logged, finish
 
 REAL, ROWS, STEPS, FAULT_STEP = 1000, 1024, 3, 2
-
-
-class Said(logging.Handler):
-    """The guard's warnings and errors, kept: a healthy run says nothing."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def gpt2(garbage: float | None = None) -> GPT2LMHeadModel:
@@ -271,7 +260,7 @@ def _real_loss(name: str) -> float | None:
 
 def main(out: Path, stage: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
-    said = Said()
+    said = Logged()
     logging.getLogger("guard").addHandler(said)
     from tests.integrations.ds_trainer import trainer_case
 

@@ -28,23 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import guard
 from guard.checks.padding_mass import bound
 from guard.policy import Policy
-from tests.integrations.dist_worker import finish, violation
+from tests.integrations.dist_worker import Logged, finish, violation
 from tests.integrations.tp_checks import HAND
 from tests.integrations.tp_models import REAL, TinyLM, batch, full_weights, real_vocab, rows_for
 
 DEFAULT: dict[str, Any] = {"export": {"serve": None}}  # the library's defaults otherwise
 STEPS = 3
-
-
-class Logged(logging.Handler):
-    """The guard logger's warnings and errors while a case runs."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 @contextlib.contextmanager
