@@ -9,7 +9,6 @@ one all-reduce (SUM) of one number at the read."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,18 +19,16 @@ from guard.checks import grads, nonfinite
 from guard.device.flags import Flags
 from guard.device.ops import one_thread
 from guard.device.zero_grads import is_zero, owner, partition_grad, zero_group
+from guard.vocab.parallel import dtensor_of
 
 __all__ = ["GradNorms"]
 
 _FIGURES = (grads.SEEN, grads.NORM, grads.TOP, grads.TOP_SHARE)  # consecutive in the spec
 
 
-def _local(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """A gradient's local tensor, and the process group its shards are spread over (None: a
-    plain tensor, or one replicated everywhere)."""
-    dt = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-    if dt is None or not isinstance(t, dt.DTensor):
-        return t, None
+def _local(t: Any) -> tuple[torch.Tensor, Any]:
+    """A DTensor gradient's local tensor, and the process group its shards are spread over
+    (None: replicated everywhere)."""
     sharded = [i for i, p in enumerate(t.placements) if not p.is_replicate()]
     group = t.device_mesh.get_group(sharded[0]) if len(sharded) == 1 else None
     return t.to_local(), group
@@ -57,7 +54,6 @@ class GradNorms:
 
     def measure(self) -> None:
         """Device ops only: a parameter without a gradient (frozen, unused) is not counted."""
-        dt = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
         found, grads_, group, ds = [], [], None, None
         for i, p in enumerate(self.params):
             if is_zero(p):  # ZeRO's slice of it, wherever its buffers keep it
@@ -67,7 +63,7 @@ class GradNorms:
                 g = p.grad
             if g is None:
                 continue
-            if dt is not None and isinstance(g, dt.DTensor):
+            if dtensor_of(g) is not None:
                 g, g_group = _local(g)
                 group = group or g_group
             found.append(i)

@@ -26,6 +26,7 @@ import torch
 
 from guard.device.zero_rows import ZeroRows, is_partitioned
 from guard.policy import Action, Policy
+from guard.vocab.parallel import dtensor_of
 
 __all__ = ["Masters", "lasting"]
 
@@ -52,7 +53,7 @@ class Masters:
     def unreachable(self, weight: torch.Tensor) -> str | None:
         """Why a repair of `weight` would not last (None: it does)."""
         if self.optimizer is None or is_partitioned(weight) or hasattr(weight, "_hp_mapping") \
-                or hasattr(weight, "device_mesh"):  # FSDP2's DTensor: the shard is the weight
+                or dtensor_of(weight) is not None:  # FSDP2's DTensor: the shard is the weight
             return None
         if any(p is weight for g in self.optimizer.param_groups for p in g["params"]):
             return None
@@ -69,7 +70,7 @@ class Masters:
                 self._zero3(weight, first, end, ok)
             elif hasattr(weight, "_hp_mapping"):
                 self._zero12(weight, first, end, ok)
-            elif self.optimizer is not None and not hasattr(weight, "device_mesh"):
+            elif self.optimizer is not None and dtensor_of(weight) is None:
                 state = self.optimizer.state.get(weight, {})
                 for m in _zeroed(state, weight):
                     _put(m[first:end], 0.0, ok)

@@ -14,7 +14,7 @@ from torch import nn
 
 from guard.device.zero_rows import ZeroRows, is_partitioned
 from guard.errors import AttachError
-from guard.vocab.parallel import held_block, on_rows
+from guard.vocab.parallel import dtensor_of, held_block, on_rows
 
 __all__ = ["RowShard", "register_sharded", "rows_of"]
 
@@ -41,10 +41,10 @@ class RowShard:
         mesh dimension `Shard(0)`, the others `Replicate()`: FSDP2, HSDP). Else AttachError
         naming `check`, the one that reads them."""
         rows = weight.shape[0]
-        dt = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-        if dt is None or not isinstance(weight, dt.DTensor):
+        dt = dtensor_of(weight)
+        if dt is None:
             return cls(weight, 0, rows)
-        placements = tuple(weight.placements)
+        placements = tuple(dt.placements)
         sharded = tuple(i for i, p in enumerate(placements) if not p.is_replicate())
         # Rows in one block of the whole weight on every mesh dim that splits it: FSDP2's
         # Shard(0), tensor parallel's, FSDP2 over it (_StridedShard(0), Shard(0)); Shard(1)
@@ -61,7 +61,7 @@ class RowShard:
                 "checked nor repaired; the other checks and the mask still work)")
         if not sharded:
             return cls(weight, 0, rows, dtensor=True)
-        mesh = weight.device_mesh
+        mesh = dt.device_mesh
         groups = tuple(mesh.get_group(d) for d in sharded)
         shard = cls(weight, held[0], held[1], dtensor=True,
                     group=groups[0] if len(groups) == 1 else groups)
