@@ -33,7 +33,6 @@ import httpx
 
 from guard.sinks.replies import (
     Answer,
-    Throttled,
     certificate_problem,
     failure,
     read_answer,
@@ -42,6 +41,7 @@ from guard.sinks.replies import (
     split_credentials,
 )
 from guard.sinks.wire_version import ServerVersion
+from guard_server.throttle import Throttle
 from guard_server.wire import MAX_BATCH_REPORTS, ReportBatch, StepReport, bearer_token
 
 __all__ = ["PushSink"]
@@ -96,7 +96,8 @@ class PushSink:
         self._flush_interval_s = flush_interval_s
         self._deadline_s = deadline_s
         self._backoff_s = backoff_s
-        self._errors = Throttled()
+        # A failure that repeats (a missing token: every push) is logged once a minute.
+        self._errors = Throttle(log, logging.ERROR)
         self._server = ServerVersion(self.where)  # the wire version its answers say
         self._cond = threading.Condition()
         self._closing = False
@@ -232,7 +233,7 @@ class PushSink:
                     return
                 if a.status not in _RETRY_STATUS:
                     self._settle(count, sent=False)
-                    self._say(functools.partial(self._errors.error, str(a.status), refusal(
+                    self._say(functools.partial(self._errors.say, str(a.status), refusal(
                         self.where, count, a, token_sent=self._token_sent)))
                     return
                 why = f"HTTP {a.status}"
@@ -240,7 +241,7 @@ class PushSink:
             except (httpx.HTTPError, TimeoutError) as e:
                 if (cert := certificate_problem(e)) is not None:
                     self._settle(count, sent=False)
-                    self._say(functools.partial(self._errors.error, "tls",
+                    self._say(functools.partial(self._errors.say, "tls",
                                                 _certificate_refused(self.where, count, cert)))
                     return
                 why = (f"no complete answer within {self._deadline_s:g} s"

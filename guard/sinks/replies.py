@@ -20,15 +20,13 @@ import httpx
 from guard.quote import quote
 from guard_server.wire import WIRE_VERSION_HEADER
 
-__all__ = ["Answer", "Throttled", "certificate_problem", "failure", "read_answer", "redact",
-           "refusal", "retry_after", "split_credentials"]
+__all__ = ["Answer", "certificate_problem", "failure", "read_answer", "redact", "refusal",
+           "retry_after", "split_credentials"]
 
 log = logging.getLogger("guard")
 
 # A Retry-After is honoured up to this; a longer one (or a forged one) would silence the rank.
 _RETRY_AFTER_MAX_S = 60.0
-# A failure that repeats (a missing token: every push) is logged at most this often.
-_ERROR_EVERY_S = 60.0
 # Characters of a refusal's text that reach the log, quoted (a server's answer can hold
 # newlines that would forge log lines of their own).
 _SHOWN_CHARS = 200
@@ -141,21 +139,3 @@ def _host_port(parts: urllib.parse.SplitResult) -> str:
     host = parts.hostname or ""
     host = f"[{host}]" if ":" in host else host
     return host if parts.port is None else f"{host}:{parts.port}"
-
-
-class Throttled:
-    """An error logged once per _ERROR_EVERY_S per kind, with how many were not logged."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def error(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, float("-inf")) < _ERROR_EVERY_S:
-            self._quiet[kind] = self._quiet.get(kind, 0) + 1
-            return
-        quiet = self._quiet.pop(kind, 0)
-        self._last[kind] = now
-        more = f" ({quiet} more like it in the last {_ERROR_EVERY_S:.0f} s)" if quiet else ""
-        log.error("%s%s", message, more)
