@@ -24,8 +24,10 @@ from typing import Any
 
 from guard_server.throttle import Throttle
 
-__all__ = ["RESET", "TRAINER_SHARE", "CappedListener", "quiet_accept_errors", "raise_fd_limit",
-           "trainer_connections"]
+__all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
+    "CappedListener", "RESET", "TRAINER_SHARE", "quiet_accept_errors", "raise_fd_limit",
+    "trainer_connections",
+]
 
 log = logging.getLogger("guard_server")
 

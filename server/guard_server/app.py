@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from guard_server.auth import ReadAuth
 from guard_server.errors import BusyError
 from guard_server.framing import CloseAfter
+from guard_server.headers import AnswerHeaders
 from guard_server.limits import TURN_WAIT_S, Turns
 from guard_server.routes import ROUTERS, ingest_router
 from guard_server.settings import Settings
@@ -47,6 +48,9 @@ def create_app(
         summary="Collects logitguard step reports and serves them to Prometheus.",
         version="1",
         lifespan=_lifespan,
+        # No redirect of /runs/x/ to /runs/x: starlette builds its Location from the request's
+        # Host header, so a forged Host made this server send a browser to another site.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.store = store
@@ -61,6 +65,7 @@ def create_app(
             app.include_router(router)
     if settings.token is not None:
         app.add_middleware(ReadAuth, token=settings.token, metrics=settings.metrics_token)
-    # Added last, so it is outermost: it sees every answer, ReadAuth's 401s included.
+    # Added last, so they are outermost: they see every answer, ReadAuth's 401s included.
     app.add_middleware(CloseAfter)
+    app.add_middleware(AnswerHeaders)
     return app

@@ -6,9 +6,9 @@ nosniff and uncached, one reading of a repeated Authorization header."""
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 from collections.abc import Iterator
+from html.parser import HTMLParser
 from typing import Any
 
 import httpx
@@ -44,7 +44,7 @@ def _quiet(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_every_value_the_wire_takes_draws_or_says_why(
         server: EmbeddedServer, make_batch: MakeBatch, caplog: pytest.LogCaptureFixture) -> None:
-    with httpx.Client(base_url=server.url, timeout=30) as client:
+    with httpx.Client(base_url=f"{server.url}", timeout=30) as client:
         for n, (name, points) in enumerate(EDGES.items()):
             for step, (loss, mass) in enumerate(points, 1):
                 batch = make_batch(f"edge-{n}", steps=(step,), loss=loss, padding_mass=mass,
@@ -59,3 +59,84 @@ def test_every_value_the_wire_takes_draws_or_says_why(
                 assert "one report so far: a line needs two" in page.text
         assert client.get("/").status_code == 200
     _quiet(caplog)
+
+
+RLO, PDI = "\u202e", "\u2069"  # right-to-left override; pop directional isolate
+
+
+class _Where(HTMLParser):
+    """Where bidi controls stand in a page: inside a <bdi> element, elsewhere in its text, or in
+    an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # of open <bdi> elements
+        self.isolated = self.loose = self.in_attributes = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.depth += tag == "bdi"
+        self.in_attributes += sum(_controls(v or "") for _, v in attrs)
+
+    def handle_endtag(self, tag: str) -> None:
+        self.depth -= tag == "bdi"
+
+    def handle_data(self, data: str) -> None:
+        if self.depth:
+            self.isolated += _controls(data)
+        else:
+            self.loose += _controls(data)
+
+
+def _controls(text: str) -> int:
+    return sum(ch in (RLO, PDI) for ch in text)
+
+
+def test_bidi_controls_from_a_trainer_stay_inside_its_text(
+        server: EmbeddedServer, make_batch: MakeBatch) -> None:
+    # An unmatched PDI would close an isolate the page opened; an RLO reverses what follows.
+    text = f"{PDI}{RLO}gnp.live"
+    event = {"check": "token_range", "action": "fail", "step": 1, "message": text,
+             "module": text}
+    batch = make_batch("bidi", halted="token_range", events=[event], grad_norm_top=text)
+    assert httpx.post(f"{server.url}/v1/reports", json=batch).status_code == 202
+    for path in ("/", "/runs/bidi"):
+        where = _Where()
+        where.feed(httpx.get(f"{server.url}{path}").text)
+        assert where.isolated and not where.loose and not where.in_attributes, path
+
+
+def test_no_redirect_goes_where_the_host_header_says(server: EmbeddedServer,
+                                                     make_batch: MakeBatch) -> None:
+    assert httpx.post(f"{server.url}/v1/reports", json=make_batch("x")).status_code == 202
+    for path in ("/runs/x/", "/v1/runs/", "/metrics/", "/v1/runs/x/?limit=1"):
+        reply = httpx.get(f"{server.url}{path}", headers={"Host": "evil.example"})
+        assert "evil.example" not in reply.headers.get("location", ""), path
+        assert reply.status_code < 500, path
+
+
+@pytest.mark.parametrize("path", ["/v1/runs", "/v1/runs/x", "/v1/runs/x?limit=0",
+                                  "/runs/x?offset=-1", "/v1/runs/nope", "/runs/nope",
+                                  "/healthz", "/nope", "/openapi.json", "/"])
+def test_every_answer_is_nosniff_and_uncached(server: EmbeddedServer, make_batch: MakeBatch,
+                                              path: str) -> None:
+    assert httpx.post(f"{server.url}/v1/reports", json=make_batch("x")).status_code == 202
+    reply = httpx.get(f"{server.url}{path}")
+    assert reply.headers.get_list("x-content-type-options") == ["nosniff"], reply.status_code
+    assert reply.headers.get_list("cache-control") == ["no-store"], reply.status_code
+
+
+@pytest.mark.parametrize("server", [{"token": TOKEN}], indirect=True)
+def test_two_authorization_headers_are_refused_by_reads_and_pushes_alike(
+        server: EmbeddedServer, make_batch: MakeBatch) -> None:
+    good, bad = ("Authorization", f"Bearer {TOKEN}"), ("Authorization", "Bearer nope")
+    with httpx.Client(base_url=f"{server.url}") as client:
+        for pair in ([good, bad], [bad, good]):
+            headers = httpx.Headers(pair)
+            assert client.post("/v1/reports", json=make_batch("two"),
+                               headers=headers).status_code == 401
+            for path in ("/v1/runs", "/", "/runs/two"):
+                assert client.get(path, headers=headers).status_code == 401, path
+        assert server.store.size() == (0, 0)  # nothing stored from the refused pushes
+        assert client.post("/v1/reports", json=make_batch("one"),
+                           headers=dict([good])).status_code == 202
+        assert client.get("/v1/runs", headers=dict([good])).status_code == 200

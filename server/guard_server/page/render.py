@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +22,21 @@ _CSS = (_HERE / "page.css").read_text(encoding="utf-8")
 CSP = ("default-src 'none'; style-src 'sha256-"
        + base64.b64encode(hashlib.sha256(_CSS.encode()).digest()).decode()
        + "'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# With nosniff and no-store, which every answer carries (guard_server/headers.py).
 _HEADERS = {
     "Content-Security-Policy": CSP,
-    "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",  # run ids in the URL go to no other site
-    "Cache-Control": "no-store",  # under a token: kept by no cache
 }
 REFRESH_S = 5  # the page reloads itself (a meta refresh: no script)
 
 _ENV = Environment(loader=FileSystemLoader(_HERE / "templates"), autoescape=True,
                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+# Bidi controls (embeddings and overrides U+202A-202E, isolates U+2066-2069, the marks U+061C,
+# U+200E, U+200F): in a trainer's text they reorder what follows them. In the page's text each
+# such text is a <bdi> of its own, which keeps them inside it; in an attribute (a tooltip, no
+# element to hold them) they are written out as their code points.
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_ENV.filters["visible"] = lambda text: _BIDI.sub(lambda m: f"<U+{ord(m[0]):04X}>", str(text))
 
 
 def page(template: str, *, status: int = 200, headers: dict[str, str] | None = None,

@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from guard_server.auth import authorized
+from guard_server.auth import authorization, authorized
 from guard_server.deps import BodySlotsDep, SettingsDep, StoreDep
 from guard_server.errors import BodyTooLargeError, BusyError, CapacityError, StepJumpError
 from guard_server.framing import ambiguous_framing
@@ -97,7 +97,7 @@ async def post_reports(
         store.rejections.count("bad_framing")
         raise HTTPException(400, "both Content-Length and Transfer-Encoding: ambiguous framing "
                             "(RFC 9112 section 6.3); nothing was stored. Send one of them.")
-    if not authorized(request.headers.get("authorization"), settings.token):
+    if not authorized(authorization(request.scope["headers"]), settings.token):
         store.rejections.count("unauthorized")
         raise HTTPException(
             401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
