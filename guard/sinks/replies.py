@@ -20,8 +20,8 @@ import httpx
 from guard.quote import quote
 from guard_server.wire import WIRE_VERSION_HEADER
 
-__all__ = ["Answer", "certificate_problem", "failure", "read_answer", "redact", "refusal",
-           "retry_after", "split_credentials"]
+__all__ = ["Answer", "certificate_problem", "certificate_refused", "failure", "read_answer",
+           "redact", "refusal", "retry_after", "split_credentials", "unusable"]
 
 log = logging.getLogger("guard")
 
@@ -75,7 +75,7 @@ def retry_after(response: httpx.Response) -> float | None:
     except ValueError:
         try:
             seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # a year of 20 digits: OverflowError
             return None
     return min(max(seconds, 0.0), _RETRY_AFTER_MAX_S)
 
@@ -114,6 +114,20 @@ def refusal(where: str, count: int, answer: Answer, *, token_sent: bool) -> str:
                 f"{'a wrong one' if token_sent else 'none'}; set GUARD_TOKEN in the trainer's "
                 "environment to the server's token (docs/server.md); dropped")
     return f"{head}: the server said {quote(answer.text, _SHOWN_CHARS)}; dropped"
+
+
+def certificate_refused(where: str, count: int, why: str) -> str:
+    """The error for a push whose server showed a TLS certificate the trainer refuses."""
+    return (f"guard: {where}: the server's TLS certificate is refused ({why}); retrying will not "
+            f"heal this: fix the certificate (its name must be the URL's host) or the URL, or "
+            f"trust its issuer with SSL_CERT_FILE; {count} reports dropped")
+
+
+def unusable(where: str, count: int, why: str) -> str:
+    """The error for a push that failed in a way nothing expects (an answer no one can read):
+    retrying would fail the same way."""
+    return (f"guard: {where}: a push failed in a way retrying will not heal ({quote(why, 300)}); "
+            f"{count} reports dropped")
 
 
 def redact(url: str) -> str:

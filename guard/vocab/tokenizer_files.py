@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from guard.constants import MAX_IDS
 from guard.errors import CheckpointError
 from guard.quote import quote
 from guard.vocab.files import load_json, read_bytes
@@ -17,8 +18,7 @@ from guard.vocab.sentencepiece_model import sentencepiece_size
 
 __all__ = ["load_json", "tokenizer_tokens", "tokenizer_vocab"]
 
-# Token ids are unsigned 32-bit in the tokenizers library and in every format we read.
-_IDS = 2**32
+_IDS = MAX_IDS  # token ids are unsigned 32-bit in the tokenizers library and every format read
 _ID_DIGITS = len(str(_IDS))
 _MAP = "a JSON object of token -> id"
 
