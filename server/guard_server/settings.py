@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     rank_ttl_s: float = Field(default=900.0, gt=0, allow_inf_nan=False)  # 15 min of silence
     finished_ttl_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)  # a few scrapes
     events_per_rank: int = Field(default=MAX_EVENTS, ge=0, le=MAX_EVENTS)  # one report's worth
+    # Fields of a newer guard this server does not know: stored without, counted. Past these a
+    # batch is a 422, found before it is parsed (guard_server/shape.py): 96,000 of them in one
+    # 1 MiB body took 0.65-2.9 s and ~105 MiB to read. A wire version adds a handful of fields
+    # (version 3: seven); their values are numbers and names of a few hundred bytes.
+    max_unknown_fields: int = Field(default=64, ge=0)  # in one report (or the batch's top level)
+    max_unknown_bytes: int = Field(default=256 << 10, ge=0)  # names and values, in one batch
     # How fast a rank's step may move ahead: a token bucket of STEP_BURST steps, refilled at
     # MAX_STEP_RATE a second (no language model trains 1000 optimizer steps a second), so over
     # any t seconds the step moves at most STEP_BURST + MAX_STEP_RATE * t however many reports

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,8 +20,8 @@ import httpx
 import pytest
 
 from guard_server.families import MAX_SERIES_PER_RANK
-from guard_server.testing import free_port
 from guard_server.wire import ACTIONS, CHECKS, MAX_COUNT
+from tests.server.helpers import proc_status, server_subprocess
 
 # 29 MiB of it kept for bodies in flight, 7 MiB for one scrape (the default caps), 4 MiB of state.
 BUDGET = 40 << 20
@@ -33,10 +31,7 @@ OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
 
 
 def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    return proc_status(pid, "VmRSS")
 
 
 @contextlib.contextmanager
@@ -44,33 +39,8 @@ def _server(
     tmp_path: Path, env: dict[str, str], budget: int = BUDGET
 ) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
     """A real `python -m guard_server` with a byte budget and `env` on top; its log file."""
-    port = free_port()
-    log = tmp_path / "server.log"
-    env = os.environ | {
-        "GUARD_SERVER_MAX_BYTES": str(budget),
-        "GUARD_SERVER_LOG_LEVEL": "info",
-        **env,
-    }
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "guard_server", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield url, process, log
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+    with server_subprocess(tmp_path, env, budget) as running:
+        yield running
 
 
 @pytest.fixture

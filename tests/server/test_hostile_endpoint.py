@@ -5,7 +5,6 @@ throughout, its log says so once instead of a traceback per failed accept() (iss
 
 from __future__ import annotations
 
-import re
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.helpers import closed_by_peer
+from tests.server.helpers import closed_by_peer, cpu_seconds, proc_status
 
 LIMIT = 256  # the process's soft and hard open-files limit
 BURST = 600  # idle connections, ~2.3x the limit (issue 41: 2,100 at 1,024)
@@ -49,18 +48,6 @@ sys.stdin.readline()
 """
 
 
-def _status(pid: int, field: str) -> int:
-    text = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
-    assert match is not None, field
-    return int(match.group(1)) << 10
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
-
-
 def _metrics(port: int) -> httpx.Response:
     """GET /metrics, tried again while the idle connections' places are being given back."""
     deadline = time.monotonic() + 30
@@ -83,7 +70,7 @@ def test_a_connection_burst_takes_none_of_the_trainers_descriptors(tmp_path: Pat
         refused = 0  # reset before connect() returned (loopback: the reset can be that quick)
         try:
             port = int(child.stdout.readline())
-            rss, cpu = _status(child.pid, "VmRSS"), _cpu_s(child.pid)
+            rss, cpu = proc_status(child.pid, "VmRSS"), cpu_seconds(child.pid)
             child.stdin.write("go\n")
             child.stdin.flush()
             started = time.monotonic()
@@ -100,8 +87,8 @@ def test_a_connection_burst_takes_none_of_the_trainers_descriptors(tmp_path: Pat
                 sock.close()
             reply = _metrics(port)
             seconds = time.monotonic() - started
-            grown = _status(child.pid, "VmHWM") - rss
-            spent = _cpu_s(child.pid) - cpu
+            grown = proc_status(child.pid, "VmHWM") - rss
+            spent = cpu_seconds(child.pid) - cpu
         finally:
             for sock in idle:
                 sock.close()
