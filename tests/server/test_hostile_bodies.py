@@ -48,6 +48,8 @@ def _hostile(make_batch: MakeBatch) -> dict[str, tuple[bytes, str]]:
         "80,000 checks": (body(reports=[report | {"violations": {f"x{i}": {} for i in
                                                                   range(80_000)}}]),
                           "more than 9 keys"),
+        "500,000 numbers as reports": (body(reports=[0] * 500_000),
+                                       "a value where the wire has an object"),
     }
 
 
