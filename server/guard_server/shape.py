@@ -145,11 +145,11 @@ def unknown_fields(body: bytes, max_fields: int, max_bytes: int) -> Unknown:
         if open_depth >= 0:
             at = m.start()
             ends = colon is not None or (content is None and body[at] in _CLOSE)
+            if found.size + at - open_at > max_bytes:
+                _too_many_bytes(max_bytes)
             if depth <= open_depth and ends:
                 found.size += at - open_at
                 open_depth = -1
-            elif found.size + at - open_at > max_bytes:
-                _too_many_bytes(max_bytes)
         if content is not None:  # a string
             pending = None
             if colon is None or top is None or (kind := top.kind) is None:
