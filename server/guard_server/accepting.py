@@ -5,8 +5,8 @@ transports of them later, so a cap applied once a connection is made came too la
 idle connections at the trainer's endpoint, under the usual 1,024 open-files limit, took every
 descriptor of the training process (its own `open()` failed meanwhile), and each accept() that
 then failed logged a traceback (~6,300 of them). Here the listening socket counts what it has
-accepted and not yet closed, and resets a connection past the cap the moment it is accepted:
-the server never holds more than its cap (and the listening socket, and one being reset). An
+accepted and not yet closed, and closes a connection past the cap the moment it is accepted:
+the server never holds more than its cap (and the listening socket, and one being closed). An
 accept() that fails because the process is out of descriptors (its other files) is said once
 a minute, not with a traceback each second.
 """
@@ -17,7 +17,6 @@ import asyncio
 import logging
 import resource
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,14 +24,12 @@ from typing import Any
 from guard_server.throttle import Throttle
 
 __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
-    "CappedListener", "RESET", "TRAINER_SHARE", "quiet_accept_errors", "raise_fd_limit",
+    "CappedListener", "TRAINER_SHARE", "quiet_accept_errors", "raise_fd_limit",
     "trainer_connections",
 ]
 
 log = logging.getLogger("guard_server")
 
-# SO_LINGER on, 0 s: closing the socket resets the connection, dropping what it has not sent.
-RESET = struct.pack("ii", 1, 0)
 # The trainer's endpoint holds at most this share of the process's soft open-files limit (64
 # of the usual 1024): the training job's own files, sockets and data loaders come first.
 TRAINER_SHARE = 16
@@ -70,7 +67,7 @@ class _Counted(socket.socket):
 
 class CappedListener(socket.socket):
     """`sock` (bound, not yet listening), whose accept() holds at most `cap` connections open
-    at once and resets any past them at once; `refused()` is called for each of those."""
+    at once and closes any past them at once; `refused()` is called for each of those."""
 
     def __init__(self, sock: socket.socket, cap: int, refused: Callable[[], None]) -> None:
         super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
@@ -85,9 +82,8 @@ class CappedListener(socket.socket):
             full = self.held >= self.cap
             self.held += not full
         if full:
-            over = socket.socket(self.family, self.type, self.proto, fileno=fd)
-            over.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
-            over.close()  # no answer: reading a request would cost what the cap saves
+            # Closed, no answer: reading a request would cost what the cap saves.
+            socket.socket(self.family, self.type, self.proto, fileno=fd).close()
             self._refused()
             # asyncio ends this turn of its accept loop on it, as when none waits: the next
             # connection is taken after whatever else the loop has ready.

@@ -1,5 +1,5 @@
-"""The FastAPI application: one store, turns for the bodies and the scrapes in flight, four
-routers (three for the trainer's embedded endpoint, which takes no reports)."""
+"""The FastAPI application: one store, turns for the bodies, the scrapes and the reads in
+flight, five routers (four for the trainer's embedded endpoint, which takes no reports)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from guard_server.errors import BusyError
 from guard_server.framing import CloseAfter
 from guard_server.headers import AnswerHeaders
 from guard_server.limits import TURN_WAIT_S, Turns
+from guard_server.reads import READ_WAIT_S, reads_busy
 from guard_server.routes import ROUTERS, ingest_router
 from guard_server.settings import Settings
 from guard_server.store import Store
@@ -59,6 +60,7 @@ def create_app(
     app.state.body_slots = Turns(settings.max_inflight_bodies, wait_s)
     app.state.scrape_turns = Turns(settings.max_inflight_scrapes, settings.scrape_wait_s,
                                    _scrapes_busy)
+    app.state.read_turns = Turns(settings.max_inflight_reads, READ_WAIT_S, reads_busy)
     app.state.ready = False
     for router in ROUTERS:
         if ingest or router is not ingest_router:

@@ -15,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from guard_server.accepting import RESET
 from guard_server.throttle import Throttle
 
 __all__ = ["guarded_protocol"]
 
 log = logging.getLogger("guard_server")
 
+# SO_LINGER on, 0 s: closing the socket resets the connection, dropping what it has not sent.
+_RESET = struct.pack("ii", 1, 0)
 # Bytes read from a connection at a time (asyncio's default is 256 KiB).
 _READ_BYTES = 64 << 10
 
@@ -138,7 +140,7 @@ def guarded_protocol(read_timeout_s: float, write_timeout_s: float,
         def _reset(self) -> None:
             sock = self.transport.get_extra_info("socket")
             if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
             self.transport.abort()
 
         def _head_timeout(self) -> None:

@@ -140,3 +140,36 @@ def test_two_authorization_headers_are_refused_by_reads_and_pushes_alike(
         assert client.post("/v1/reports", json=make_batch("one"),
                            headers=dict([good])).status_code == 202
         assert client.get("/v1/runs", headers=dict([good])).status_code == 200
+
+
+# Text that escapes the most: a quote (6 bytes in HTML), a bidi control (3 bytes, 14 in a
+# tooltip), an astral character (4 bytes), markup.
+WORST = '"' * 1024 + RLO * 1024 + "\U0001f600" * 1024 + "<&>'" * 256
+
+
+@pytest.mark.parametrize("bound", [512 << 10, 1 << 20])
+def test_every_page_stays_within_its_bytes_whatever_the_text(make_batch: MakeBatch,
+                                                             bound: int) -> None:
+    from fastapi.testclient import TestClient
+
+    from guard_server import ReportBatch, Store, create_app
+
+    settings = Settings(max_page_bytes=bound, max_step_rate=None, max_bytes=1 << 30)
+    store = Store(settings)
+    event = {"check": "token_range", "action": "fail", "step": 1, "message": WORST[:4096],
+             "module": WORST[:256]}
+    every = {"token_range": {"fail": 2**53, "warn": 2**53}, "nonfinite": {"skip": 1}}
+    for run in range(12):
+        for rank in range(80 if run == 0 else 8):
+            batch = make_batch(f"run-{run}", rank, steps=tuple(range(1, 61)), events=[],
+                               grad_norm_top=WORST[:256], halted="token_range",
+                               violations=every, loss=-MAX)
+            batch["reports"][-1]["events"] = [event] * 32
+            store.ingest(ReportBatch.model_validate(batch))
+    with TestClient(create_app(settings, store)) as client:
+        for path in ("/", "/runs/run-0?limit=256", "/runs/run-0?offset=7&limit=256"):
+            reply = client.get(path)
+            assert reply.status_code == 200, path
+            assert len(reply.content) <= bound, (path, len(reply.content))
+        first = client.get("/runs/run-0?limit=256").text
+    assert "more not shown" in first and "next 256" in first  # the rest: the JSON, next page

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import re
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.responses import HTMLResponse
+
+from guard_server.page.sizes import TOOLTIP, visible
 
 __all__ = ["CSP", "REFRESH_S", "page"]
 
@@ -31,12 +32,8 @@ REFRESH_S = 5  # the page reloads itself (a meta refresh: no script)
 
 _ENV = Environment(loader=FileSystemLoader(_HERE / "templates"), autoescape=True,
                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-# Bidi controls (embeddings and overrides U+202A-202E, isolates U+2066-2069, the marks U+061C,
-# U+200E, U+200F): in a trainer's text they reorder what follows them. In the page's text each
-# such text is a <bdi> of its own, which keeps them inside it; in an attribute (a tooltip, no
-# element to hold them) they are written out as their code points.
-_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-_ENV.filters["visible"] = lambda text: _BIDI.sub(lambda m: f"<U+{ord(m[0]):04X}>", str(text))
+_ENV.filters["visible"] = visible  # bidi controls in a tooltip, written out (page/sizes.py)
+_ENV.globals["tooltip"] = TOOLTIP  # characters of a message in its tooltip
 
 
 def page(template: str, *, status: int = 200, headers: dict[str, str] | None = None,
