@@ -163,3 +163,17 @@ def test_the_default_byte_budget_holds_every_typical_rank_the_rank_cap_allows(
     runs = -(-MAX_RANKS // settings.max_ranks_per_run)
     held = MAX_RANKS * report_bytes(report) + runs * run_bytes("r" * 64)
     assert held <= settings.state_bytes, (held, settings.state_bytes)
+
+
+def test_every_setting_is_in_the_table_of_docs_server_md() -> None:
+    # Each bound a setting, each setting documented with its default (issue 41): a new one
+    # missing from the table fails here. The table writes a row's later names short
+    # (`GUARD_SERVER_MAX_RUNS` / `_MAX_RANKS_PER_RUN`).
+    from guard_server.settings import ENV_PREFIX
+
+    doc = (Path(__file__).parents[2] / "docs/server.md").read_text()
+    table = "\n".join(line for line in doc.splitlines() if line.startswith("| `"))
+    for field in Settings.model_fields:
+        name = (ENV_PREFIX + field).upper()
+        short = "`_" + name.removeprefix(ENV_PREFIX) + "`"
+        assert f"`{name}`" in table or short in table, name
