@@ -13,11 +13,14 @@ import torch.distributed as dist
 from torch import nn
 
 from guard.device.loss import LossShares, check_loss_options
+from guard.errors import AttachError
 from guard.policy import Policy
 from guard.policy_file import load_policy
+from guard.quote import quote
 from guard.step.clock import Steps, check_boundaries
 from guard.step.optimizers import unwrap_optimizer
 from guard.wrappers import unwrap_call
+from guard_server.wire import MAX_RANK
 
 __all__ = ["Arguments", "check_arguments"]
 
@@ -37,13 +40,24 @@ class Arguments:
     local_rank: int
 
 
+def _environment_rank(name: str) -> int:
+    """The rank torchrun put in the environment variable `name` (0 without it); AttachError
+    naming the variable when it holds no rank the wire can carry (0 to MAX_RANK)."""
+    text = os.environ.get(name, "0").strip()
+    if not (text.isascii() and text.isdigit() and len(text) <= 5 and int(text) <= MAX_RANK):
+        raise AttachError(f"the environment variable {name}={quote(text)} is not a rank: "
+                          f"expected a whole number from 0 to {MAX_RANK} (torchrun sets it); "
+                          f"fix it or unset it")
+    return int(text)
+
+
 def _rank_of_process() -> tuple[int, int]:
     """(global rank, local rank) from torch.distributed, else torchrun's environment."""
     if dist.is_available() and dist.is_initialized():
         rank = dist.get_rank()
     else:
-        rank = int(os.environ.get("RANK", "0"))
-    return rank, int(os.environ.get("LOCAL_RANK", "0"))
+        rank = _environment_rank("RANK")
+    return rank, _environment_rank("LOCAL_RANK")
 
 
 def check_arguments(model: object,

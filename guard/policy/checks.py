@@ -10,8 +10,16 @@ from pydantic import Field, model_validator
 from guard import constants
 from guard.policy.strict import Section
 
-__all__ = ["AttachCheck", "Checks", "CoverageCheck", "LossSpikeCheck", "NonfiniteCheck",
-           "PaddingMassCheck", "PaddingRowsCheck", "TokenRangeCheck", "UntrainedRowsCheck"]
+__all__ = ["MAX_WINDOW", "AttachCheck", "Checks", "CoverageCheck", "LossSpikeCheck",
+           "NonfiniteCheck", "PaddingMassCheck", "PaddingRowsCheck", "TokenRangeCheck",
+           "UntrainedRowsCheck"]
+
+# Every number has a range (docs/checks.md, "Policy keys and their ranges", held to these
+# models by tests/guard/test_policy_ranges.py): the code can act on any value in it, and a value
+# outside is a PolicyError naming the key, never an allocation of terabytes (a window of 10**12
+# losses) or an integer that wraps on the device (duplicates 2**63). Thresholds that are ratios
+# or factors stop at 1e6: finite in float32, and past anything that still measures something.
+MAX_WINDOW = 10_000
 
 
 class AttachCheck(Section):
@@ -26,14 +34,14 @@ class PaddingMassCheck(Section):
     # How many times an average real id's probability a padding column may take, at the worst
     # sampled position, in the logits the loss uses. Healthy padding rows (a normal init, HF's
     # mean resize, a trained model) measured 0.2-1.1x; the seed's garbage rows 1e5x and more.
-    excess: float = Field(10.0, gt=1.0)
+    excess: float = Field(10.0, gt=1.0, le=1e6)
     # An absolute bound on that mass instead of `excess`, e.g. the seed's per-step assertion
     # 1e-6: every padded model's padding columns take more than that before training, so it
     # suits heads whose padding rows must already be masked or empty.
     threshold: float | None = Field(None, ge=0.0, le=1.0)
     # At most this many strided positions a forward, and at most one in 32 of them: a bounded
     # share of the loss's own work on the logits (docs/checks.md); exact measures them all.
-    sample_tokens: int = Field(256, ge=1)
+    sample_tokens: int = Field(256, ge=1, le=1 << 20)
     exact: bool = False
 
 
@@ -48,7 +56,7 @@ class NonfiniteCheck(Section):
 class TokenRangeCheck(Section):
     action: Literal["fail", "warn", "off"] = "fail"
     # PyTorch's CrossEntropyLoss default; labels equal to it are sequence padding, not ghosts.
-    ignore_index: int | None = -100
+    ignore_index: int | None = Field(-100, ge=-(2**63), le=2**63 - 1)  # an int64 label
 
 
 class LossSpikeCheck(Section):
@@ -57,14 +65,15 @@ class LossSpikeCheck(Section):
 
     action: Literal["fail", "skip", "warn", "off"] = "warn"
     # Megatron-LM's spiky-loss factor: far above any noise, well below the seed's 2.1 -> 87.3.
-    factor: float = Field(10.0, gt=1.0)
-    # llm-foundry's KillLossSpike window: the reference is the median of this many losses.
-    window: int = Field(100, ge=2)
+    factor: float = Field(10.0, gt=1.0, le=1e6)
+    # llm-foundry's KillLossSpike window: the reference is the median of this many losses, a
+    # (window,) tensor on the device (10,000: 40 KiB, its median a few microseconds a step).
+    window: int = Field(100, ge=2, le=MAX_WINDOW)
     # Finite losses needed before the check can fire: a median of fewer is one odd batch.
-    warmup: int = Field(10, ge=1)
+    warmup: int = Field(10, ge=1, le=MAX_WINDOW)
     # A rise smaller than this (loss units, nats per token) is noise even at a large ratio:
     # fine-tuning at loss 0.05 sees batches at 0.6.
-    min_delta: float = Field(1.0, ge=0.0)
+    min_delta: float = Field(1.0, ge=0.0, le=1e6)
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> LossSpikeCheck:
@@ -85,7 +94,7 @@ class PaddingRowsCheck(Section):
     # A trained or initialised row has a norm within a few times its neighbours' (init std
     # 0.02 x sqrt(d); training moves rows slowly); a row 10x the largest real one is no token
     # the model learnt: what torch.empty or a wrong resize leaves (1e30, 1e-30, NaN).
-    factor: float = Field(10.0, gt=1.0, allow_inf_nan=False)
+    factor: float = Field(10.0, gt=1.0, le=1e6)
 
 
 class CoverageCheck(Section):
@@ -111,9 +120,9 @@ class UntrainedRowsCheck(Section):
     # defined (guard/constants.py, which `guard audit` reads too): every |value| of a row <=
     # epsilon; a norm under norm_ratio x the median row's; at least `duplicates`
     # bitwise-identical rows.
-    epsilon: float = Field(constants.EPSILON, ge=0.0)
+    epsilon: float = Field(constants.EPSILON, ge=0.0, le=constants.MAX_EPSILON)
     norm_ratio: float = Field(constants.NORM_RATIO, gt=0.0, lt=1.0)
-    duplicates: int = Field(constants.DUPLICATES, ge=2)
+    duplicates: int = Field(constants.DUPLICATES, ge=2, le=constants.MAX_IDS)
 
 
 class Checks(Section):

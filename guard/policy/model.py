@@ -7,15 +7,17 @@ import os
 import re
 import socket
 import time
+import urllib.parse
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
+from guard import constants
 from guard.policy.checks import Checks
 from guard.policy.strict import Action, Section
 from guard.quote import quote
 from guard_server.wire import CHECKS, CheckName, RunId
 
-__all__ = ["ATTACH_CHECKS", "CHECKS", "STEP_CHECKS", "Policy", "default_run_id"]
+__all__ = ["ATTACH_CHECKS", "CHECKS", "STEP_CHECKS", "Policy", "default_run_id", "push_url"]
 
 # The check names are the wire's (guard_server/wire.py); these run once, at attach, the
 # others every step.
@@ -24,23 +26,56 @@ STEP_CHECKS: tuple[CheckName, ...] = tuple(c for c in CHECKS if c not in ATTACH_
 
 
 class VocabSection(Section):
-    real_size: int | None = Field(None, ge=1)
+    real_size: int | None = Field(None, ge=1, le=constants.MAX_IDS)
     # Without a real size (given, or found in the model's config or checkpoint) the guard takes
     # every row as real and watches no padding column: a coverage warning at attach, or with
     # this set an AttachError.
     require_real_size: bool = False
     # Tensor cores and fused kernels want the vocab dim a multiple of 64 (seed digest).
-    pad_multiple: int = Field(64, ge=1)
-    tensor_parallel: int = Field(1, ge=1)
+    pad_multiple: int = Field(64, ge=1, le=4096)  # kernels ask for 8 to 128
+    # The largest tensor-parallel groups are 8 to 64 GPUs. With pad_multiple, the aligned size
+    # stays far below the wire's 2**53.
+    tensor_parallel: int = Field(1, ge=1, le=1024)
 
 
 class Cadence(Section):
-    read_every: int = Field(1, ge=1)
+    # At least a read every 10,000 steps: past it a check would act hours late.
+    read_every: int = Field(1, ge=1, le=10_000)
 
 
 # Matched whole (fullmatch): re.match's `$` would take a trailing newline.
 _HOST_PORT = re.compile(r"(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
 _URL = re.compile(r"https?://[^\s/]+(/\S*)?")
+_USER_INFO = re.compile(r"//[^/@]*@")
+
+
+def push_url(url: str) -> str:
+    """`url` when a push sink can send to it: http(s), a host, a port from 1 to 65535 if any,
+    no control character or space; else ValueError saying what is wrong. Checked at attach:
+    one the sink could not use ended its thread at the first push (httpx.InvalidURL)."""
+    shown = quote(_USER_INFO.sub("//***@", url))  # a token in the URL reaches no message
+    if not _URL.fullmatch(url):
+        raise ValueError(f"expected an http(s) URL such as http://guard-server:9400, got {shown}")
+    bad = next((i for i, ch in enumerate(url) if not ch.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"character {bad + 1} of {shown} is {quote(url[bad])}; a URL holds no "
+                         "control character")
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname:
+        raise ValueError(f"{shown} names no host; e.g. http://guard-server:9400")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"the port of {shown} is not one from 1 to 65535")
+    import httpx  # here: only a policy that pushes needs it, and its sink imports it anyway
+
+    try:
+        httpx.Request("POST", url)  # what the sink's requests are made of
+    except (httpx.InvalidURL, ValueError) as e:  # ValueError: an IDNA host, xn--
+        raise ValueError(f"{shown} is no URL a request can go to ({quote(str(e))})") from None
+    return url
 
 
 class Export(Section):
@@ -60,10 +95,7 @@ class Export(Section):
     @field_validator("push")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not _URL.fullmatch(v):
-            raise ValueError("expected an http(s) URL such as http://guard-server:9400, got "
-                             f"{quote(v)}")
-        return v
+        return None if v is None else push_url(v)
 
     def serve_address(self, local_rank: int = 0) -> tuple[str, int] | None:
         """(host, port + local_rank), so each rank of a node gets its own endpoint."""

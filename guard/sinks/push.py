@@ -31,17 +31,20 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 
 import httpx
 
+from guard.policy.model import push_url
 from guard.sinks.replies import (
     Answer,
-    Throttled,
     certificate_problem,
+    certificate_refused,
     failure,
     read_answer,
     redact,
     refusal,
     split_credentials,
+    unusable,
 )
 from guard.sinks.wire_version import ServerVersion
+from guard_server.throttle import Throttle
 from guard_server.wire import MAX_BATCH_REPORTS, ReportBatch, StepReport, bearer_token
 
 __all__ = ["PushSink"]
@@ -58,7 +61,8 @@ class PushSink:
 
     `timeout_s` bounds each connect / read / write, `deadline_s` each request as a whole,
     `max_answer_bytes` what is read of each answer (the rest is never read). A token that
-    cannot be sent as a bearer token is a ValueError here, at start.
+    cannot be sent as a bearer token, or a URL no request can go to, is a ValueError here, at
+    start.
     """
 
     def __init__(
@@ -75,7 +79,7 @@ class PushSink:
         max_answer_bytes: int = 4096,
     ) -> None:
         self.where = redact(url.rstrip("/") + "/v1/reports")  # never the URL's credentials
-        url, auth = split_credentials(url.rstrip("/"))
+        url, auth = split_credentials(push_url(url.rstrip("/")))
         self.endpoint = url + "/v1/reports"
         # identity: what is read of an answer is its bytes on the wire, never an inflated body.
         headers = {"content-type": "application/json", "accept-encoding": "identity"}
@@ -96,7 +100,8 @@ class PushSink:
         self._flush_interval_s = flush_interval_s
         self._deadline_s = deadline_s
         self._backoff_s = backoff_s
-        self._errors = Throttled()
+        # A failure that repeats (a missing token: every push) is logged once a minute.
+        self._errors = Throttle(log, logging.ERROR)
         self._server = ServerVersion(self.where)  # the wire version its answers say
         self._cond = threading.Condition()
         self._closing = False
@@ -232,7 +237,7 @@ class PushSink:
                     return
                 if a.status not in _RETRY_STATUS:
                     self._settle(count, sent=False)
-                    self._say(functools.partial(self._errors.error, str(a.status), refusal(
+                    self._say(functools.partial(self._errors.say, str(a.status), refusal(
                         self.where, count, a, token_sent=self._token_sent)))
                     return
                 why = f"HTTP {a.status}"
@@ -240,11 +245,18 @@ class PushSink:
             except (httpx.HTTPError, TimeoutError) as e:
                 if (cert := certificate_problem(e)) is not None:
                     self._settle(count, sent=False)
-                    self._say(functools.partial(self._errors.error, "tls",
-                                                _certificate_refused(self.where, count, cert)))
+                    self._say(functools.partial(self._errors.say, "tls",
+                                                certificate_refused(self.where, count, cert)))
                     return
                 why = (f"no complete answer within {self._deadline_s:g} s"
                        if isinstance(e, TimeoutError) else failure(e))
+            except Exception as e:  # whatever a receiver answers, the push thread lives on
+                # An answer nothing above expects (a header httpx or we cannot read): retrying
+                # will not heal it; dropped and counted, said once a minute, as a refusal is.
+                self._settle(count, sent=False)
+                self._say(functools.partial(self._errors.say, type(e).__name__, unusable(
+                    self.where, count, failure(e))))
+                return
             with self._cond:
                 # Said at the first failure, not only by a count at exit; while closing, close
                 # says what was lost (nothing waits to be retried then).
@@ -275,12 +287,6 @@ class PushSink:
 def _close_at_exit(ref: weakref.ref[PushSink]) -> None:
     if (sink := ref()) is not None:
         sink.close(timeout=2.0)
-
-
-def _certificate_refused(where: str, count: int, why: str) -> str:
-    return (f"guard: {where}: the server's TLS certificate is refused ({why}); retrying will not "
-            f"heal this: fix the certificate (its name must be the URL's host) or the URL, or "
-            f"trust its issuer with SSL_CERT_FILE; {count} reports dropped")
 
 
 def _split(batch: ReportBatch) -> list[ReportBatch]:

@@ -20,15 +20,13 @@ import httpx
 from guard.quote import quote
 from guard_server.wire import WIRE_VERSION_HEADER
 
-__all__ = ["Answer", "Throttled", "certificate_problem", "failure", "read_answer", "redact",
-           "refusal", "retry_after", "split_credentials"]
+__all__ = ["Answer", "certificate_problem", "certificate_refused", "failure", "read_answer",
+           "redact", "refusal", "retry_after", "split_credentials", "unusable"]
 
 log = logging.getLogger("guard")
 
 # A Retry-After is honoured up to this; a longer one (or a forged one) would silence the rank.
 _RETRY_AFTER_MAX_S = 60.0
-# A failure that repeats (a missing token: every push) is logged at most this often.
-_ERROR_EVERY_S = 60.0
 # Characters of a refusal's text that reach the log, quoted (a server's answer can hold
 # newlines that would forge log lines of their own).
 _SHOWN_CHARS = 200
@@ -77,7 +75,7 @@ def retry_after(response: httpx.Response) -> float | None:
     except ValueError:
         try:
             seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # a year of 20 digits: OverflowError
             return None
     return min(max(seconds, 0.0), _RETRY_AFTER_MAX_S)
 
@@ -118,6 +116,20 @@ def refusal(where: str, count: int, answer: Answer, *, token_sent: bool) -> str:
     return f"{head}: the server said {quote(answer.text, _SHOWN_CHARS)}; dropped"
 
 
+def certificate_refused(where: str, count: int, why: str) -> str:
+    """The error for a push whose server showed a TLS certificate the trainer refuses."""
+    return (f"guard: {where}: the server's TLS certificate is refused ({why}); retrying will not "
+            f"heal this: fix the certificate (its name must be the URL's host) or the URL, or "
+            f"trust its issuer with SSL_CERT_FILE; {count} reports dropped")
+
+
+def unusable(where: str, count: int, why: str) -> str:
+    """The error for a push that failed in a way nothing expects (an answer no one can read):
+    retrying would fail the same way."""
+    return (f"guard: {where}: a push failed in a way retrying will not heal ({quote(why, 300)}); "
+            f"{count} reports dropped")
+
+
 def redact(url: str) -> str:
     """`url` without the credentials of its user-info part, for logs: http://***@host/."""
     parts = urllib.parse.urlsplit(url)
@@ -141,21 +153,3 @@ def _host_port(parts: urllib.parse.SplitResult) -> str:
     host = parts.hostname or ""
     host = f"[{host}]" if ":" in host else host
     return host if parts.port is None else f"{host}:{parts.port}"
-
-
-class Throttled:
-    """An error logged once per _ERROR_EVERY_S per kind, with how many were not logged."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._quiet: dict[str, int] = {}
-
-    def error(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, float("-inf")) < _ERROR_EVERY_S:
-            self._quiet[kind] = self._quiet.get(kind, 0) + 1
-            return
-        quiet = self._quiet.pop(kind, 0)
-        self._last[kind] = now
-        more = f" ({quiet} more like it in the last {_ERROR_EVERY_S:.0f} s)" if quiet else ""
-        log.error("%s%s", message, more)

@@ -15,9 +15,12 @@ __all__ = ["ServerVersion", "answer_version"]
 
 def answer_version(header: str | None) -> int:
     """The version an answer's header says, at most ours (an unreadable one: 1)."""
-    value = (header or "").strip()
-    return min(int(value), WIRE_VERSION) if value.isascii() and value.isdigit() and \
-        int(value) >= 1 else 1
+    value = (header or "").strip().lstrip("0")
+    if not (value.isascii() and value.isdigit()):
+        return 1
+    # Longer than ours can be: newer. int() of 5,000 digits raises (its 4,300-digit bound),
+    # which ended the push thread.
+    return WIRE_VERSION if len(value) > len(str(WIRE_VERSION)) else min(int(value), WIRE_VERSION)
 
 
 def _newer_than(version: int) -> list[str]:

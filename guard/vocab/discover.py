@@ -8,6 +8,7 @@ from typing import cast
 from torch import nn
 
 from guard.errors import AttachError
+from guard.quote import quote
 from guard.vocab import megatron
 from guard.wrappers import unwrap
 
@@ -193,9 +194,16 @@ def discover(
     model: nn.Module, *, embedding: nn.Module | None = None, lm_head: nn.Module | None = None
 ) -> Heads:
     """Explicit modules win, then HF accessors, then names and shapes (nanoGPT wte / lm_head)."""
+    for label, given in (("embedding", embedding), ("lm_head", lm_head)):
+        # Given is given (`is not None`, never truthiness: an empty nn.Sequential is falsy, and
+        # 0, False, "" or [] were taken for "find it"): a module, or torchtune's TiedLinear.
+        if given is not None and not isinstance(given, nn.Module) and \
+                (label == "embedding" or _tied_parts(given) is None):
+            raise AttachError(f"{label}= must be the model's {label} module (an nn.Module), "
+                              f"got {quote(given)} ({type(given).__name__})")
     hf_in, hf_out = _hf_heads(model)
-    emb = embedding or hf_in
-    head: object = lm_head or hf_out
+    emb = embedding if embedding is not None else hf_in
+    head: object = lm_head if lm_head is not None else hf_out
     name, holder = None, None
     tied = _find_tied_linear(model) if head is None or _weight(head) is None else None
     if (parts := _tied_parts(head)) is not None:  # lm_head=model.output, a TiedLinear
@@ -204,6 +212,9 @@ def discover(
         name, head, holder = tied
     if head is None:
         head = _find_head(model, emb)
+    elif holder is None and _weight(head) is None:  # given, or HF's, and holds no weight
+        raise AttachError(f"lm_head ({type(head).__name__}) has no weight: pass lm_head=<the "
+                          "module that produces the logits> (an nn.Linear, a TiedLinear)")
     for label, m in (("embedding", emb), ("lm_head", head)):
         if m is not None and not isinstance(m, nn.Module):
             raise AttachError(f"{label} must be an nn.Module, got {type(m).__name__}")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from guard.errors import AttachError
+from guard.quote import quote
 from guard.vocab import megatron
 from guard.vocab.discover import Heads
 from guard.vocab.parallel import VocabShard, dtensor_of, fsdp_managed, held_block, tp_dims
@@ -110,6 +111,12 @@ def _given(vocab_shard: tuple[Any, ...], heads: Heads, degree: int) -> VocabShar
     if not isinstance(vocab_shard, tuple | list) or len(vocab_shard) not in (2, 3):
         raise AttachError(f"vocab_shard must be (start, end) or (start, end, tp_group), got "
                           f"{vocab_shard!r}")
+    group = vocab_shard[2] if len(vocab_shard) == 3 else None
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        # Used at the first step's all-reduce: 'junk' there was an AttributeError mid-training.
+        raise AttachError(f"vocab_shard's third element must be the torch.distributed process "
+                          f"group of the ranks that hold the other shards (or None), got "
+                          f"{quote(group)} ({type(group).__name__})")
     start, end = vocab_shard[0], vocab_shard[1]
     try:
         rows = shard_sizes((start, end), heads.head_rows, degree)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from guard.constants import MAX_IDS
 from guard.errors import CheckpointError
 from guard.quote import quote
 from guard.vocab.files import load_json, read_bytes
@@ -17,8 +18,8 @@ from guard.vocab.sentencepiece_model import sentencepiece_size
 
 __all__ = ["load_json", "tokenizer_tokens", "tokenizer_vocab"]
 
-# Token ids are unsigned 32-bit in the tokenizers library and in every format we read.
-_IDS = 2**32
+_IDS = MAX_IDS  # token ids are unsigned 32-bit in the tokenizers library and every format read
+_ID_DIGITS = len(str(_IDS))
 _MAP = "a JSON object of token -> id"
 
 
@@ -69,7 +70,8 @@ def _decoder(d: Path) -> dict[int, str | None]:
     out: dict[int, str | None] = {}
     for key, token in decoder.items():
         # ASCII digits only: "²" passes str.isdigit() and fails int(); transformers int()s them.
-        if not (key.isascii() and key.isdigit()) or int(key) >= _IDS:
+        # Counted before int(): a key past 4,300 digits is a ValueError there, not an id.
+        if not (key.isascii() and key.isdigit()) or len(key) > _ID_DIGITS or int(key) >= _IDS:
             raise CheckpointError(str(path), f"added_tokens_decoder key {quote(key)} is not a "
                                   "token id (a decimal integer in [0, 2**32))")
         if not isinstance(token, dict):

@@ -1,5 +1,5 @@
-"""The FastAPI application: one store, turns for the bodies and the scrapes in flight, four
-routers (three for the trainer's embedded endpoint, which takes no reports)."""
+"""The FastAPI application: one store, turns for the bodies, the scrapes and the reads in
+flight, five routers (four for the trainer's embedded endpoint, which takes no reports)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from fastapi import FastAPI
 from guard_server.auth import ReadAuth
 from guard_server.errors import BusyError
 from guard_server.framing import CloseAfter
+from guard_server.headers import AnswerHeaders
 from guard_server.limits import TURN_WAIT_S, Turns
+from guard_server.reads import READ_WAIT_S, reads_busy
 from guard_server.routes import ROUTERS, ingest_router
 from guard_server.settings import Settings
 from guard_server.store import Store
@@ -47,6 +49,9 @@ def create_app(
         summary="Collects logitguard step reports and serves them to Prometheus.",
         version="1",
         lifespan=_lifespan,
+        # No redirect of /runs/x/ to /runs/x: starlette builds its Location from the request's
+        # Host header, so a forged Host made this server send a browser to another site.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.store = store
@@ -55,12 +60,14 @@ def create_app(
     app.state.body_slots = Turns(settings.max_inflight_bodies, wait_s)
     app.state.scrape_turns = Turns(settings.max_inflight_scrapes, settings.scrape_wait_s,
                                    _scrapes_busy)
+    app.state.read_turns = Turns(settings.max_inflight_reads, READ_WAIT_S, reads_busy)
     app.state.ready = False
     for router in ROUTERS:
         if ingest or router is not ingest_router:
             app.include_router(router)
     if settings.token is not None:
         app.add_middleware(ReadAuth, token=settings.token, metrics=settings.metrics_token)
-    # Added last, so it is outermost: it sees every answer, ReadAuth's 401s included.
+    # Added last, so they are outermost: they see every answer, ReadAuth's 401s included.
     app.add_middleware(CloseAfter)
+    app.add_middleware(AnswerHeaders)
     return app

@@ -11,12 +11,13 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+from collections.abc import Iterable
 
 from pydantic import SecretStr
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["PAGES", "ReadAuth", "authorized", "is_page", "read_authorized"]
+__all__ = ["PAGES", "ReadAuth", "authorization", "authorized", "is_page", "read_authorized"]
 
 # Reads that need the token when one is set. /healthz and /readyz stay open for probes.
 _READS = ("/v1/runs", "/docs", "/redoc", "/openapi.json")
@@ -27,6 +28,13 @@ PAGES = ("/runs/",)
 def _same(presented: str, token: SecretStr) -> bool:
     # compare_digest on bytes: its time depends on the lengths only, never on where they differ.
     return hmac.compare_digest(presented.encode(), token.get_secret_value().encode())
+
+
+def authorization(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The request's one Authorization header; None when it has none, or more than one (which
+    of two is meant? A proxy in front may pass on either: refused, on reads and pushes alike)."""
+    found = [value for name, value in headers if name.lower() == b"authorization"]
+    return found[0].decode("latin-1") if len(found) == 1 else None
 
 
 def authorized(header: str | None, token: SecretStr | None) -> bool:
@@ -71,17 +79,16 @@ class ReadAuth:
         """Pass the request on, unless it reads a protected path without the token."""
         path = str(scope["path"]) if scope["type"] == "http" else ""
         page = is_page(path)
-        if page or path.startswith(self.paths):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not read_authorized(header, self.token):
-                response = _page_401() if page else JSONResponse(
-                    {"detail": "missing or wrong bearer token (this server has a token; reads "
-                               "need it too)"},
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
-                return
+        protected = page or path.startswith(self.paths)
+        if protected and not read_authorized(authorization(scope["headers"]), self.token):
+            response = _page_401() if page else JSONResponse(
+                {"detail": "missing or wrong bearer token (this server has a token; reads "
+                           "need it too)"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

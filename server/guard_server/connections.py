@@ -1,59 +1,34 @@
-"""Connection hygiene for uvicorn's h11 protocol: a cap on open connections, a deadline
-for each request's headers, one for its answer to be taken whole, and one for a client that
-stops taking its answer (no progress: a stalled reader holds a scrape's turn).
+"""Connection hygiene for uvicorn's h11 protocol: a deadline for each request's headers, one
+for its answer to be taken whole, and one for a client that stops taking its answer (no
+progress: a stalled reader holds a scrape's turn). The cap on open connections is the
+listening socket's (guard_server/accepting.py).
 
 uvicorn bounds neither: a connection that never sends a byte stays open forever (its
 keep-alive timer starts only after a first response), and every stalled client holds a file
-descriptor until the process runs out (then accept() fails in a loop, one traceback each).
-Here a connection past the cap is closed at once, and one that has not sent a complete
-request head within the read timeout is closed; a slow body is the route's own timeout. A
-body is read only once the route asks for it, and what uvicorn buffered of a body the route
-never read goes once the response is sent.
+descriptor. Here one that has not sent a complete request head within the read timeout is
+closed; a slow body is the route's own timeout. A body is read only once the route asks for
+it, and what uvicorn buffered of a body the route never read goes once the response is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import socket
 import struct
-import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["TRAINER_SHARE", "guarded_protocol", "raise_fd_limit", "trainer_connections"]
+from guard_server.throttle import Throttle
+
+__all__ = ["guarded_protocol"]
 
 log = logging.getLogger("guard_server")
 
-# Warn about refused or timed-out connections at most this often (an attack makes thousands).
-_WARN_EVERY_S = 60.0
-# Bytes read from a connection at a time (asyncio's default is 256 KiB).
-_READ_BYTES = 64 << 10
 # SO_LINGER on, 0 s: closing the socket resets the connection, dropping what it has not sent.
 _RESET = struct.pack("ii", 1, 0)
-# The trainer's endpoint holds at most this share of the process's soft open-files limit (64
-# of the usual 1024): the training job's own files, sockets and data loaders come first.
-TRAINER_SHARE = 16
-
-
-class _Tally:
-    """Connections refused or timed out since the last warning, per kind."""
-
-    def __init__(self) -> None:
-        self.counts = dict.fromkeys(("over the connection limit", "without a request in time",
-                                     "with an answer not taken in time",
-                                     "whose client stopped taking its answer"), 0)
-        self.last_warning = float("-inf")
-
-    def add(self, kind: str, limit: str) -> None:
-        self.counts[kind] += 1
-        now = time.monotonic()
-        if now - self.last_warning >= _WARN_EVERY_S:
-            self.last_warning = now
-            closed = ", ".join(f"{n} {k}" for k, n in self.counts.items() if n)
-            log.warning("guard server: closed connections (%s); %s", closed, limit)
-            self.counts = dict.fromkeys(self.counts, 0)
+# Bytes read from a connection at a time (asyncio's default is 256 KiB).
+_READ_BYTES = 64 << 10
 
 
 def _cancel(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
@@ -63,17 +38,19 @@ def _cancel(timer: asyncio.TimerHandle | None) -> asyncio.TimerHandle | None:
     return None
 
 
-def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_s: float,
+def guarded_protocol(read_timeout_s: float, write_timeout_s: float,
                      write_stall_s: float = 5.0) -> type[H11Protocol]:
-    """uvicorn's H11Protocol with a connection cap, a request-head deadline, an answer
-    deadline and a progress deadline for the answer."""
-    tally = _Tally()
+    """uvicorn's H11Protocol with a request-head deadline, an answer deadline and a progress
+    deadline for the answer."""
+    said = Throttle(log, logging.WARNING)
     limits = (
-        f"GUARD_SERVER_MAX_CONNECTIONS={max_connections}, "
         f"GUARD_SERVER_READ_TIMEOUT_S={read_timeout_s}, "
         f"GUARD_SERVER_WRITE_TIMEOUT_S={write_timeout_s}, "
         f"GUARD_SERVER_WRITE_STALL_S={write_stall_s}"
     )
+
+    def _closed(kind: str) -> None:
+        said.say(kind, f"guard server: closed a connection {kind}; {limits}")
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
@@ -82,10 +59,6 @@ def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                tally.add("over the connection limit", limits)
-                transport.abort()  # no response: reading a request would cost what we save
-                return
             if hasattr(transport, "max_size"):
                 # asyncio reads up to 256 KiB a recv, and a request head may come with that
                 # much of its body before the route has looked at it.
@@ -116,7 +89,7 @@ def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_
 
         def _stalled(self) -> None:
             self._stall_timer = None
-            tally.add("whose client stopped taking its answer", limits)
+            _closed("whose client stopped taking its answer")
             self._reset()
 
         def handle_events(self) -> None:
@@ -161,7 +134,7 @@ def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_
             self._answer_timer = None
             written = self.cycle is None or self.cycle.response_complete
             if not written or self.transport.get_write_buffer_size():
-                tally.add("with an answer not taken in time", limits)
+                _closed("with an answer not taken in time")
                 self._reset()
 
         def _reset(self) -> None:
@@ -174,31 +147,7 @@ def guarded_protocol(max_connections: int, read_timeout_s: float, write_timeout_
             self._head_timer = None
             active = self.cycle is not None and not self.cycle.response_complete
             if not active and not self.transport.is_closing():
-                tally.add("without a request in time", limits)
+                _closed("without a request in time")
                 self.transport.close()
 
     return GuardedH11Protocol
-
-
-def raise_fd_limit(wanted: int) -> int:
-    """Raise the soft open-files limit towards `wanted` (never past the hard limit); return
-    how many connections it leaves room for (the limit less a margin for the process)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted + 64 if hard == resource.RLIM_INFINITY else min(wanted + 64, hard)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    return max(soft - 64, 8)
-
-
-def trainer_connections(wanted: int) -> int:
-    """The connections the trainer's endpoint may hold: at most `wanted`, and at most
-    1/TRAINER_SHARE of the process's soft open-files limit, which it never raises (a cap
-    counted from a raised limit left the training loop 64 spare descriptors)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return wanted
-    return min(wanted, max(8, soft // TRAINER_SHARE))

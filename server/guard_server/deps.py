@@ -1,7 +1,7 @@
 """What the routes read from the app, as typed dependencies.
 
-`create_app` puts the settings, the store, the turns for bodies and scrapes and the ready flag
-on `app.state`; only this module reads them back, and a route asks for them by type:
+`create_app` puts the settings, the store, the turns for bodies, scrapes and reads and the
+ready flag on `app.state`; only this module reads them back, and a route asks for them by type:
 
     def list_runs(store: StoreDep) -> RunList: ...
 """
@@ -17,7 +17,8 @@ from guard_server.limits import Turns
 from guard_server.settings import Settings
 from guard_server.store import Store
 
-__all__ = ["BodySlotsDep", "ReadyDep", "ScrapeTurnsDep", "SettingsDep", "StoreDep"]
+__all__ = ["BodySlotsDep", "ReadTurnsDep", "ReadyDep", "ScrapeTurnsDep", "SettingsDep",
+           "StoreDep"]
 
 
 def _state(name: str) -> Callable[[Request], Awaitable[Any]]:
@@ -33,4 +34,5 @@ SettingsDep = Annotated[Settings, Depends(_state("settings"))]
 StoreDep = Annotated[Store, Depends(_state("store"))]
 BodySlotsDep = Annotated[Turns, Depends(_state("body_slots"))]
 ScrapeTurnsDep = Annotated[Turns, Depends(_state("scrape_turns"))]
+ReadTurnsDep = Annotated[Turns, Depends(_state("read_turns"))]
 ReadyDep = Annotated[bool, Depends(_state("ready"))]

@@ -15,14 +15,14 @@ import uvicorn
 
 from guard_server.app import create_app
 from guard_server.listen import listening_socket
-from guard_server.runner import uvicorn_config
+from guard_server.runner import QuietAcceptServer, uvicorn_config
 from guard_server.settings import Settings
 from guard_server.store import Store
 
 __all__ = ["EmbeddedServer"]
 
 
-class _Server(uvicorn.Server):
+class _Server(QuietAcceptServer):
     """A uvicorn server that signals the starting thread once startup has run."""
 
     def __init__(self, config: uvicorn.Config) -> None:
@@ -81,10 +81,8 @@ class EmbeddedServer:
             return self.url
         sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
-        config = uvicorn_config(
-            self.app, self.settings, host=self.host, port=self.port, own_logging=False,
-            trainer=self._trainer,
-        )
+        config, sock = uvicorn_config(self.app, self.settings, sock, host=self.host,
+                                      port=self.port, own_logging=False, trainer=self._trainer)
         server = _Server(config)
         thread = threading.Thread(
             target=server.run,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
@@ -10,24 +11,32 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from guard_server.accepting import (
+    CappedListener,
+    quiet_accept_errors,
+    raise_fd_limit,
+    trainer_connections,
+)
 from guard_server.app import create_app
-from guard_server.connections import guarded_protocol, raise_fd_limit, trainer_connections
+from guard_server.connections import guarded_protocol
 from guard_server.listen import server_socket
 from guard_server.settings import Settings
+from guard_server.throttle import Throttle
 from guard_server.wire import WIRE_VERSION, WIRE_VERSION_HEADER
 
 log = logging.getLogger("guard_server")
 
-__all__ = ["is_loopback", "serve", "uvicorn_config"]
+__all__ = ["QuietAcceptServer", "is_loopback", "serve", "uvicorn_config"]
 
 
 def uvicorn_config(
-    app: FastAPI, settings: Settings, *, host: str, port: int, own_logging: bool,
-    trainer: bool = False,
-) -> uvicorn.Config:
-    """One uvicorn worker for `app`; `own_logging=False` leaves the host's logging alone;
-    `trainer` (the training process's own endpoint) takes a share of its descriptors and
-    never raises its open-files limit."""
+    app: FastAPI, settings: Settings, sock: socket.socket, *, host: str, port: int,
+    own_logging: bool, trainer: bool = False,
+) -> tuple[uvicorn.Config, socket.socket]:
+    """One uvicorn worker for `app`, and the socket to serve it from: `sock` (bound), holding
+    at most the connections the process has room for. `own_logging=False` leaves the host's
+    logging alone; `trainer` (the training process's own endpoint) takes a share of its
+    descriptors and never raises its open-files limit."""
     # A single worker on purpose: the state lives in this process's memory, so a second worker
     # would hold a different half of the ranks and each scrape would see one half.
     extra: dict[str, Any] = {} if own_logging else {"log_config": None}
@@ -40,7 +49,13 @@ def uvicorn_config(
         log.warning("guard server: the open-files limit leaves room for %d connections, not "
                     "GUARD_SERVER_MAX_CONNECTIONS=%d; raise `ulimit -n`", room,
                     settings.max_connections)
-    return uvicorn.Config(
+    cap = min(room, settings.max_connections)
+    said = Throttle(log, logging.WARNING)
+    why = (f"the trainer's share, 1/16 of its open-files limit: {cap}" if trainer
+           else f"GUARD_SERVER_MAX_CONNECTIONS={cap}")
+    listener = CappedListener(sock, cap, lambda: said.say(
+        "over", f"guard server: closed a connection over the connection limit ({why})"))
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -50,8 +65,8 @@ def uvicorn_config(
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_graceful_shutdown=5,
-        http=guarded_protocol(min(room, settings.max_connections), settings.read_timeout_s,
-                              settings.write_timeout_s, settings.write_stall_s),
+        http=guarded_protocol(settings.read_timeout_s, settings.write_timeout_s,
+                              settings.write_stall_s),
         # uvicorn takes whole seconds here (it passes the value to call_later unchanged).
         timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
         # Every answer says the wire version this server reads: the push sink lowers its
@@ -59,10 +74,20 @@ def uvicorn_config(
         headers=[(WIRE_VERSION_HEADER, str(WIRE_VERSION))],
         **extra,
     )
+    return config, listener
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, saying where it listens: uvicorn says so only for sockets it bound."""
+class QuietAcceptServer(uvicorn.Server):
+    """uvicorn's server, whose loop says an accept() failing for want of descriptors once a
+    minute (guard_server/accepting.py)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
+        await super().startup(sockets)
+
+
+class _Server(QuietAcceptServer):
+    """`guard serve`'s, saying where it listens: uvicorn says so only for sockets it bound."""
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -84,9 +109,8 @@ def serve(
     # Bound first: a bad host or a taken port is one error, not a warning about listening
     # followed by uvicorn's "startup complete" and a raw bind error.
     sock = server_socket(settings.host, settings.port)
-    config = uvicorn_config(
-        create_app(settings), settings, host=settings.host, port=settings.port, own_logging=True
-    )
+    config, sock = uvicorn_config(create_app(settings), settings, sock, host=settings.host,
+                                  port=settings.port, own_logging=True)
     _warn_if_exposed(settings)
     try:
         _Server(config).run(sockets=[sock])

@@ -20,7 +20,7 @@ from guard_server.errors import SettingsError
 from guard_server.families import MAX_SERIES_PER_RANK, TYPICAL_SERIES_PER_RANK
 from guard_server.wire import MAX_EVENTS, bearer_token
 
-__all__ = ["ENV_PREFIX", "Settings"]
+__all__ = ["ENV_PREFIX", "JSON_PAGE_BYTES", "Settings"]
 
 ENV_PREFIX = "GUARD_SERVER_"
 # What uvicorn holds of one body beyond what the route has taken: up to its 64 KiB high-water
@@ -40,6 +40,13 @@ WAITING_PER_SLOT = 8
 # connection has not taken of the chunk before (128 KiB and a piece's text, in two copies).
 _SCRAPE_BYTES_PER_RANK = 128
 _SCRAPE_PIECE_BYTES = 5 << 20
+# A page of GET /v1/runs/{run_id}'s JSON stops before this (routes/runs.py); built a rank at a
+# time, a read holds about twice it at its peak (tests/server/test_hostile.py). 2 MiB (it was
+# 4): with a read's answer counted in the budget, the typical fleet the caps admit still fits.
+JSON_PAGE_BYTES = 2 << 20
+# A page of HTML is rendered whole: Jinja's pieces, the text, its bytes; ~3.2x the page at the
+# peak of a render (bench/page.py), counted 4x.
+_RENDER_PER_PAGE = 4
 # The push sink reads the same variable, so one GUARD_TOKEN configures both ends.
 _TOKEN_VARS = ("GUARD_SERVER_TOKEN", "GUARD_TOKEN")
 
@@ -83,11 +90,26 @@ class Settings(BaseSettings):
     # (it is written a piece at a time), and 4 turns leave a Prometheus HA pair room to spare
     # (and a client that reads slowly holds one of four). They share one CPU (the GIL).
     max_inflight_scrapes: int = Field(default=4, ge=1)
+    # Reads answered at once (the pages, GET /v1/runs/{run_id}), each holding its answer until
+    # the client has taken it; 8x as many more wait for a turn (5 s at most), the rest get 429.
+    # Twelve clients that asked for the list of runs and never read grew the server by 259 MiB
+    # when nothing counted them. People with a browser and a few scripts: two turns are plenty.
+    max_inflight_reads: int = Field(default=2, ge=1)
+    # The bytes of a page of HTML: its rows are cut to fit, whatever text the trainers sent
+    # (the rest on the next page, or in JSON); a run's section on the list of runs is at most
+    # ~0.25 MiB, so the smallest bound still shows one.
+    max_page_bytes: int = Field(default=1 << 20, ge=512 << 10)
     # Prometheus' default scrape_timeout: a scrape that waited longer has been given up on.
     scrape_wait_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     rank_ttl_s: float = Field(default=900.0, gt=0, allow_inf_nan=False)  # 15 min of silence
     finished_ttl_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)  # a few scrapes
     events_per_rank: int = Field(default=MAX_EVENTS, ge=0, le=MAX_EVENTS)  # one report's worth
+    # Fields of a newer guard this server does not know: stored without, counted. Past these a
+    # batch is a 422, found before it is parsed (guard_server/shape.py): 96,000 of them in one
+    # 1 MiB body took 0.65-2.9 s and ~105 MiB to read. A wire version adds a handful of fields
+    # (version 3: seven); their values are numbers and names of a few hundred bytes.
+    max_unknown_fields: int = Field(default=64, ge=0)  # in one report (or the batch's top level)
+    max_unknown_bytes: int = Field(default=256 << 10, ge=0)  # names and values, in one batch
     # How fast a rank's step may move ahead: a token bucket of STEP_BURST steps, refilled at
     # MAX_STEP_RATE a second (no language model trains 1000 optimizer steps a second), so over
     # any t seconds the step moves at most STEP_BURST + MAX_STEP_RATE * t however many reports
@@ -164,7 +186,14 @@ class Settings(BaseSettings):
         reading = self.max_inflight_bodies * (self.max_body_bytes + _CHUNK_BYTES)
         waiting = self.max_inflight_bodies * WAITING_PER_SLOT * _CHUNK_BYTES
         return (reading + waiting + _PARSED_PER_BODY * self.max_body_bytes
-                + self.max_inflight_scrapes * self.scrape_bytes)
+                + self.max_inflight_scrapes * self.scrape_bytes
+                + self.max_inflight_reads * self.read_bytes)
+
+    @property
+    def read_bytes(self) -> int:
+        """The most one read in flight holds: a JSON page being built, or a page of HTML
+        being rendered, until its client has taken it."""
+        return max(2 * JSON_PAGE_BYTES, _RENDER_PER_PAGE * self.max_page_bytes)
 
     @property
     def scrape_bytes(self) -> int:
@@ -185,7 +214,8 @@ class Settings(BaseSettings):
                 f"max_bytes: at least {need} bytes with GUARD_SERVER_MAX_BODY_BYTES="
                 f"{self.max_body_bytes}, GUARD_SERVER_MAX_INFLIGHT_BODIES="
                 f"{self.max_inflight_bodies}, GUARD_SERVER_MAX_INFLIGHT_SCRAPES="
-                f"{self.max_inflight_scrapes} and GUARD_SERVER_MAX_RANKS={self.max_ranks} "
+                f"{self.max_inflight_scrapes}, GUARD_SERVER_MAX_INFLIGHT_READS="
+                f"{self.max_inflight_reads} and GUARD_SERVER_MAX_RANKS={self.max_ranks} "
                 "(the requests in flight, and one rank's state)"
             )
         return self

@@ -1,24 +1,17 @@
 """Reports across wire versions (docs/wire.md, "Versions"), pydantic only: the library lowers
-a batch to what an older server reads, and the server reads a newer guard's batch with the
-fields it knows.
-
-- Lowering (the push sink, for a server that says an older version, or none: the first
-  release's): the fields and check names added after that version are left out; a check the
-  server does not know is not reported (its counts, its events, its halt).
-- Reading (the ingest route): a batch whose only problem is fields this server does not know
-  (pydantic's extra_forbidden) is stored without them, and their names are said to the caller.
+a batch to what an older server reads (the push sink, for a server that says an older version,
+or none: the first release's): the fields and check names added after that version are left
+out; a check the server does not know is not reported (its counts, its events, its halt). The
+server reads a newer guard's batch with the fields it knows (guard_server/shape.py).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
-
-from pydantic import ValidationError
 
 from guard_server.wire import CHECK_SINCE, ReportBatch, since, wire_models
 
-__all__ = ["lowered", "read_known", "unknown_name"]
+__all__ = ["lowered"]
 
 
 def _drop(node: Any, path: tuple[str, ...], field: str) -> None:
@@ -49,33 +42,3 @@ def lowered(batch: ReportBatch, version: int) -> dict[str, Any]:
             if report["halted"] in newer:
                 report["halted"] = None
     return doc
-
-
-def unknown_name(loc: tuple[int | str, ...]) -> str:
-    """A field's name as a path of names, its list indices left out: reports.grad_norm."""
-    return ".".join(str(part) for part in loc if not isinstance(part, int))
-
-
-def read_known(body: bytes) -> tuple[ReportBatch, list[tuple[int | str, ...]]]:
-    """The batch in `body` and where the fields it carries that this server does not know
-    were (left out); ValidationError for anything else wrong with it."""
-    try:
-        return ReportBatch.model_validate_json(body), []
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_context=False, include_input=False)
-        if any(e["type"] != "extra_forbidden" for e in errors):
-            raise
-        # Only unknown fields: take them out where pydantic found them and read it again,
-        # with the same validation as every batch (rare: a newer guard before it has heard
-        # this server's version).
-        unknown = [tuple(e["loc"]) for e in errors]
-        try:
-            doc = json.loads(body)
-            for loc in unknown:
-                node = doc
-                for part in loc[:-1]:
-                    node = node[part]
-                node.pop(loc[-1], None)
-        except (ValueError, LookupError, TypeError, AttributeError):
-            raise exc from None  # JSON that only pydantic reads: the 422 as it was
-    return ReportBatch.model_validate_json(json.dumps(doc)), unknown

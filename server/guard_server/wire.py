@@ -33,6 +33,7 @@ __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py 
     "MAX_EVENTS",
     "MAX_MESSAGE",
     "MAX_MODULE",
+    "MAX_RANK",
     "NonFinite",
     "OutOfRange",
     "RUN_ID_PATTERN",
@@ -92,6 +93,7 @@ MAX_EVENTS = 32
 MAX_MESSAGE = 4096
 MAX_MODULE = 256  # a module's qualified name; deep HF models stay under 120 characters
 MAX_BATCH_REPORTS = 1000
+MAX_RANK = 65535  # a global rank: far past the largest jobs' (a few tens of thousands of GPUs)
 # Counts stop at 2**53, the largest integer a float64 (a Prometheus sample, a JSON number in
 # most parsers) holds exactly: a hostile 10**400 is a 422 here, not a crash at scrape time.
 MAX_COUNT = 2**53
@@ -131,7 +133,7 @@ Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
 Name = Annotated[str, Field(max_length=MAX_MODULE)]  # a module's or parameter's qualified name
 AttachId = Annotated[str, Field(min_length=8, max_length=64, pattern=ATTACH_ID_PATTERN)]
-Rank = Annotated[int, Field(ge=0, le=65535), BeforeValidator(_integral)]
+Rank = Annotated[int, Field(ge=0, le=MAX_RANK), BeforeValidator(_integral)]
 
 
 class _Wire(BaseModel):

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from guard_server.testing import free_port
 
 
 def split_ingest_counters(text: str) -> tuple[str, dict[str, float]]:
@@ -25,3 +37,49 @@ def closed_by_peer(sock: socket.socket, within_s: float) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A memory figure of /proc/<pid>/status in bytes: VmRSS now, VmHWM its peak so far."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    assert match is not None, field
+    return int(match.group(1)) << 10
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time the process has used, user and system (what a wall clock cannot say on a
+    busy machine)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def server_subprocess(tmp_path: Path, env: dict[str, str],
+                   budget: int) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    """A real `python -m guard_server` with a byte budget and `env` on top; its URL, process and
+    log file."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    env = os.environ | {"GUARD_SERVER_MAX_BYTES": str(budget),
+                        "GUARD_SERVER_LOG_LEVEL": "info", **env}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "guard_server", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield url, process, log
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

@@ -57,9 +57,9 @@ def test_the_list_of_runs_shows_each_run_its_ranks_and_events(
     # The halted rank comes first, with why: its fail event's message.
     assert html.index('id="rank-1"') < html.index('id="rank-0"')
     assert '<span class="halted">halted: token_range</span>' in html
-    assert 'class="why">token_range on rank 2 at step 5: &lt;script' in html
+    assert 'class="why"><bdi>token_range on rank 2 at step 5: &lt;script' in html
     assert "not reported" in html  # rank 0's grad norm: its reports have none
-    assert "0.84 (largest: transformer.wte.weight 31%)" in html  # rank 1's
+    assert "0.84 (largest: <bdi>transformer.wte.weight</bdi> 31%)" in html  # rank 1's
     assert '<meta http-equiv="refresh" content="5">' in html
 
 

@@ -85,23 +85,29 @@ def test_a_bad_token_is_never_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_byte_budget_keeps_room_for_requests_in_flight() -> None:
     # 8 bodies being read (1 MiB and a 128 KiB chunk each), 64 waiting (a chunk each), the
-    # one being parsed (12 MiB with its parsed batch), and 4 scrapes being written (128 bytes
-    # for each of the 16,384 ranks the caps admit, and 5 MiB for a piece): 57 MiB of the 256.
+    # one being parsed (12 MiB with its parsed batch), 4 scrapes being written (128 bytes for
+    # each of the 16,384 ranks the caps admit, and 5 MiB for a piece), and 2 reads answered
+    # (a 2 MiB JSON page, twice, or a 1 MiB page of HTML rendered, 4x): 65 MiB of the 256.
     mib, chunk = 1 << 20, 128 << 10
     scrape = 16384 * 128 + 5 * mib
     assert Settings().scrape_bytes == scrape == 7 * mib
+    assert Settings().read_bytes == 4 * mib
+    assert Settings(max_page_bytes=2 * mib).read_bytes == 8 * mib
     bodies = 8 * (mib + chunk) + 64 * chunk + 12 * mib
-    assert Settings().inflight_bytes == bodies + 4 * scrape == 57 * mib
-    assert Settings().state_bytes == 199 * mib
+    reads = 2 * 4 * mib
+    assert Settings().inflight_bytes == bodies + 4 * scrape + reads == 65 * mib
+    assert Settings().state_bytes == 191 * mib
     two = 2 * (mib + chunk) + 16 * chunk + 12 * mib
-    assert Settings(max_inflight_bodies=2).state_bytes == 256 * mib - two - 4 * scrape
-    assert Settings(max_inflight_scrapes=1).state_bytes == 256 * mib - bodies - scrape
+    assert Settings(max_inflight_bodies=2).state_bytes == 256 * mib - two - 4 * scrape - reads
+    assert Settings(max_inflight_scrapes=1).state_bytes == 256 * mib - bodies - scrape - reads
+    assert Settings(max_inflight_reads=1).state_bytes == 195 * mib
     with pytest.raises(SettingsError) as info:
         Settings(max_bytes=16 << 20)
     problem = info.value.problems["GUARD_SERVER_MAX_BYTES"]
-    assert f"at least {58 * mib} bytes" in problem
+    assert f"at least {66 * mib} bytes" in problem
     assert "GUARD_SERVER_MAX_INFLIGHT_BODIES=8" in problem
     assert "GUARD_SERVER_MAX_INFLIGHT_SCRAPES=4" in problem
+    assert "GUARD_SERVER_MAX_INFLIGHT_READS=2" in problem
 
 
 def test_the_reserve_covers_the_body_being_parsed(make_batch: Any, wire_example: Any) -> None:
@@ -157,3 +163,17 @@ def test_the_default_byte_budget_holds_every_typical_rank_the_rank_cap_allows(
     runs = -(-MAX_RANKS // settings.max_ranks_per_run)
     held = MAX_RANKS * report_bytes(report) + runs * run_bytes("r" * 64)
     assert held <= settings.state_bytes, (held, settings.state_bytes)
+
+
+def test_every_setting_is_in_the_table_of_docs_server_md() -> None:
+    # Each bound a setting, each setting documented with its default (issue 41): a new one
+    # missing from the table fails here. The table writes a row's later names short
+    # (`GUARD_SERVER_MAX_RUNS` / `_MAX_RANKS_PER_RUN`).
+    from guard_server.settings import ENV_PREFIX
+
+    doc = (Path(__file__).parents[2] / "docs/server.md").read_text()
+    table = "\n".join(line for line in doc.splitlines() if line.startswith("| `"))
+    for field in Settings.model_fields:
+        name = (ENV_PREFIX + field).upper()
+        short = "`_" + name.removeprefix(ENV_PREFIX) + "`"
+        assert f"`{name}`" in table or short in table, name

@@ -12,6 +12,8 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.responses import HTMLResponse
 
+from guard_server.page.sizes import TOOLTIP, visible
+
 __all__ = ["CSP", "REFRESH_S", "page"]
 
 _HERE = Path(__file__).parent
@@ -21,16 +23,17 @@ _CSS = (_HERE / "page.css").read_text(encoding="utf-8")
 CSP = ("default-src 'none'; style-src 'sha256-"
        + base64.b64encode(hashlib.sha256(_CSS.encode()).digest()).decode()
        + "'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# With nosniff and no-store, which every answer carries (guard_server/headers.py).
 _HEADERS = {
     "Content-Security-Policy": CSP,
-    "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",  # run ids in the URL go to no other site
-    "Cache-Control": "no-store",  # under a token: kept by no cache
 }
 REFRESH_S = 5  # the page reloads itself (a meta refresh: no script)
 
 _ENV = Environment(loader=FileSystemLoader(_HERE / "templates"), autoescape=True,
                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+_ENV.filters["visible"] = visible  # bidi controls in a tooltip, written out (page/sizes.py)
+_ENV.globals["tooltip"] = TOOLTIP  # characters of a message in its tooltip
 
 
 def page(template: str, *, status: int = 200, headers: dict[str, str] | None = None,

@@ -3,6 +3,7 @@ script, no image request (the page's CSP allows neither)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,9 +44,7 @@ def sparkline(points: Sequence[tuple[int, float | None]], what: str) -> Spark:
 
     def xy(step: int, value: float) -> tuple[float, float]:
         x = _PAD + (WIDTH - 2 * _PAD) * (step - first) / max(last - first, 1)
-        # Halved before subtracting: a hostile 1e308 and -1e308 are finite, their span not.
-        y = HEIGHT / 2 if high == low else \
-            _PAD + (HEIGHT - 2 * _PAD) * ((high / 2 - value / 2) / (high / 2 - low / 2))
+        y = _PAD + (HEIGHT - 2 * _PAD) * (1.0 - _height(value, low, high))
         return round(x, 1), round(y, 1)
 
     stretches: list[list[tuple[float, float]]] = [[]]
@@ -57,3 +56,14 @@ def sparkline(points: Sequence[tuple[int, float | None]], what: str) -> Spark:
     lines = tuple(" ".join(f"{x},{y}" for x, y in s) for s in stretches if len(s) > 1)
     dots = tuple(s[0] for s in stretches if len(s) == 1)
     return Spark(lines, dots, low, high, (first, last))
+
+
+def _height(value: float, low: float, high: float) -> float:
+    """Where `value` lies from `low` (0) to `high` (1); 0.5 when they are equal. Every finite
+    value the wire takes: two denormals' difference is exact and non-zero (halving them first
+    rounded 5e-324 to 0, a ZeroDivisionError), and -1e308 to 1e308 spans past float's range,
+    so those are halved instead (then the span is finite and far from zero)."""
+    span = high - low
+    if math.isinf(span):
+        return (value / 2 - low / 2) / (high / 2 - low / 2)
+    return (value - low) / span if span > 0 else 0.5

@@ -50,6 +50,7 @@ class RankRow:
     why: str  # that check's last message, "" when none is held
     loss_spark: Spark | None = None  # on a run's page only
     mass_spark: Spark | None = None
+    grad_top: tuple[str, str] | None = None  # the largest gradient's parameter, its share
 
 
 @dataclass(frozen=True)
@@ -120,22 +121,22 @@ def _rank(view: RankView, now: float, trail: Sequence[Point] | None = None) -> R
     r = view.latest
     state = "halted" if r.halted else "finished" if view.finished_at is not None else "running"
     # grad_norm came with wire version 3: absent (an older guard) means not reported.
-    grad = _num(r.grad_norm)
+    grad, top = _num(r.grad_norm), None
     if r.grad_norm is not None and r.grad_norm_top is not None:
         share = "" if r.grad_norm_top_share is None else f" {r.grad_norm_top_share:.0%}"
-        grad += f" (largest: {r.grad_norm_top}{share})"
+        top = (r.grad_norm_top, share)
     mass = _num(r.padding_mass, "not measured")
     if r.padding_mass_max is not None:
         mass += f" (max {r.padding_mass_max:.4g})"
-    sparks = (None, None) if trail is None else (
-        sparkline([(s, loss) for s, loss, _ in trail], "loss"),
-        sparkline([(s, m) for s, _, m in trail], "padding mass"))
+    loss_spark = None if trail is None else sparkline([(s, v) for s, v, _ in trail], "loss")
+    mass_spark = None if trail is None else sparkline([(s, m) for s, _, m in trail],
+                                                      "padding mass")
     # null on the wire: none, or not finite (counted in nonfinite.loss)
     loss = _num(r.loss, "non-finite" if r.nonfinite.loss and r.loss is None else "not reported")
     return RankRow(view.rank, r.step, age(now - view.last_seen), state, loss, mass,
                    grad, _counts(r.nonfinite.model_dump(exclude_none=True)),
                    _counts(r.out_of_range.model_dump()), _violations([r]), r.halted or "",
-                   _why(view), *sparks)
+                   _why(view), loss_spark, mass_spark, top)
 
 
 def rank_rows(views: Sequence[RankView], trails: dict[int, list[Point]],

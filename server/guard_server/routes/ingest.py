@@ -9,13 +9,13 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from guard_server.auth import authorized
+from guard_server.auth import authorization, authorized
 from guard_server.deps import BodySlotsDep, SettingsDep, StoreDep
 from guard_server.errors import BodyTooLargeError, BusyError, CapacityError, StepJumpError
 from guard_server.framing import ambiguous_framing
 from guard_server.limits import read_body
 from guard_server.responses import Accepted, Problem, ValidationProblem
-from guard_server.versions import read_known, unknown_name
+from guard_server.shape import ShapeError, read_batch
 from guard_server.wire import ReportBatch
 
 __all__ = ["router"]
@@ -55,6 +55,23 @@ def _request_body() -> dict[str, Any]:
 RETRY_AFTER_S = 30
 # ... but a turn to have a body read frees in milliseconds, or at most at the read timeout.
 BUSY_RETRY_AFTER_S = 2
+
+
+# Problems listed in a 422: a batch of 1000 reports with every count a string has ~60,000, and
+# listing them all is the costliest answer a client can ask for.
+LISTED = 32
+
+
+def _problems(exc: ValidationError) -> list[dict[str, Any]]:
+    """The 422's detail: what is wrong, where (`loc`), at most LISTED of them."""
+    if exc.error_count() > LISTED:  # errors() would build every one of them
+        return [{"type": "too_many_errors", "loc": ["body"], "msg": f"{exc.error_count()} "
+                 f"problems, more than the {LISTED} an answer lists: the body is no batch of "
+                 "this wire (docs/wire.md)"}]
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    # Fields it does not know cost a batch nothing: the 422 names what is wrong with it.
+    return [{"type": e["type"], "loc": ["body", *e["loc"]], "msg": e["msg"]} for e in errors
+            if e["type"] != "extra_forbidden"]
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -97,7 +114,7 @@ async def post_reports(
         store.rejections.count("bad_framing")
         raise HTTPException(400, "both Content-Length and Transfer-Encoding: ambiguous framing "
                             "(RFC 9112 section 6.3); nothing was stored. Send one of them.")
-    if not authorized(request.headers.get("authorization"), settings.token):
+    if not authorized(authorization(request.scope["headers"]), settings.token):
         store.rejections.count("unauthorized")
         raise HTTPException(
             401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
@@ -126,14 +143,14 @@ async def post_reports(
         store.rejections.count("disconnected")
         return Accepted(accepted=0)
     try:
-        batch, unknown = read_known(body)
+        batch, unknown = read_batch(body, settings.max_unknown_fields, settings.max_unknown_bytes)
+    except ShapeError as exc:
+        store.rejections.count("invalid")
+        raise HTTPException(422, [{"type": exc.kind, "loc": ["body", *exc.loc],
+                                   "msg": str(exc)}]) from None
     except ValidationError as exc:
         store.rejections.count("invalid")
-        errors = exc.errors(include_url=False, include_context=False, include_input=False)
-        # Fields it does not know cost a batch nothing: the 422 names what is wrong with it.
-        errors = [e for e in errors if e["type"] != "extra_forbidden"]
-        detail = [{"type": e["type"], "loc": ["body", *e["loc"]], "msg": e["msg"]} for e in errors]
-        raise HTTPException(422, detail) from None
+        raise HTTPException(422, _problems(exc)) from None
     try:
         store.ingest(batch)
     except StepJumpError as exc:
@@ -142,5 +159,5 @@ async def post_reports(
     except CapacityError as exc:
         raise HTTPException(429, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     if unknown:  # counted once the batch is stored: a refused one was not read
-        store.unknown.count(unknown_name(loc) for loc in unknown)
+        store.unknown.count(unknown)
     return Accepted(accepted=len(batch.reports))

@@ -72,6 +72,8 @@ def test_a_weight_map_file_name_with_a_nul_byte(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("file", "text", "says"), [
     ("tokenizer_config.json", {"added_tokens_decoder": {"²": {"content": "x"}}},
      "added_tokens_decoder key '²' is not a token id"),
+    ("tokenizer_config.json", {"added_tokens_decoder": {"9" * 5000: {"content": "x"}}},
+     "added_tokens_decoder key '9999"),  # issue 41: int() refuses 5,000 digits
     ("vocab.json", {"a": [1]}, "token 'a' has id [1]; expected an id in [0, 2**32)"),
     ("vocab.json", {"a": True}, "token 'a' has id True"),
 ])
