@@ -74,6 +74,10 @@ class ProbeConfig:
         )
 
 
+# Positions of largest padding logit added to every sample (Logits._with_hottest).
+HOTTEST = 2
+
+
 class Logits:
     """Measures (..., columns) logits, or the head's logits of a sample of final hidden
     states, into the flags."""
@@ -97,7 +101,8 @@ class Logits:
         c = self.cfg
         flat = logits.reshape(-1, c.columns)  # (tokens, columns); a view for contiguous logits
         # The mask goes on after the measure.
-        self._reduce(self._sample(flat), masked=c.mask, forward=flat.shape[0])
+        self._reduce(self._with_hottest(flat, self._sample(flat)), masked=c.mask,
+                     forward=flat.shape[0])
         if c.nonfinite and not c.exact and logits.dtype == torch.float16:
             # float16 logits can overflow at single (position, column) pairs the sample misses;
             # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
@@ -132,6 +137,20 @@ class Logits:
             # (n, columns): already a sample; the loss the kernel computes from the same rows
             # is masked only where it was handed the real rows.
             self._reduce(logits, masked=masked, forward=states.shape[0])
+
+    def _with_hottest(self, flat: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        """The sample and the HOTTEST positions of largest padding logit, chosen on the device
+        (no read): in a tied model each position's own token gives it a large real logit, so
+        garbage padding rows win most positions but not all, and a small forward's one or two
+        strided positions can miss them all. The hottest is where the garbage is worst."""
+        c = self.cfg
+        n = flat.shape[0]
+        if (c.exact or not c.padding_mass or self.sharded is not None
+                or c.real_columns >= c.columns or sample.shape[0] >= n):
+            return sample
+        hot = flat[:, c.real_columns:].amax(dim=-1)  # (n,): a padding-columns read only
+        idx = hot.topk(min(HOTTEST, n)).indices
+        return torch.cat([sample, flat.index_select(0, idx)])
 
     def _sample(self, flat: torch.Tensor) -> torch.Tensor:
         """(k, ...) of (tokens, ...): every position with `exact`, else `sample_size` of them,
