@@ -1,4 +1,5 @@
-"""Discovery and the audit look for the output head under the same table of names."""
+"""Discovery and the audit look for the output head under one table of names; the checkpoint
+read limits come from the environment once a process."""
 
 from __future__ import annotations
 
@@ -27,3 +28,17 @@ def test_the_audit_finds_a_top_level_head_under_any_of_the_names(tmp_path: Path,
     a = audit_checkpoint(d)
     assert a.lm_head is not None and (a.lm_head.name, a.lm_head.shape) == (f"{head}.weight",
                                                                            (128, 8))
+
+
+def test_the_read_limits_are_read_from_the_environment_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from guard.vocab.read_limits import limits
+
+    limits.cache_clear()
+    try:
+        monkeypatch.setenv("GUARD_CHECKPOINT_MAX_ROW_BYTES", "16")
+        first = limits()
+        monkeypatch.setenv("GUARD_CHECKPOINT_MAX_ROW_BYTES", "32")
+        assert limits() is first and first.row_bytes == 16
+    finally:
+        limits.cache_clear()
