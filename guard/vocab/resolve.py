@@ -2,8 +2,8 @@
 
 Three sizes exist (docs/checks.md, "The real vocab"): `real` (ids the tokenizer can
 produce), `rows` (of the embedding / lm_head) and the aligned size. A vocab-parallel head adds
-its shard: the global ids [start, end) of its output columns. Everything downstream takes its numbers from one
-`Sizes`, so no part computes a real vocab or a first padding row of its own.
+its shard: the global ids [start, end) of its output columns. Everything downstream takes its
+numbers from one `Sizes`, so no part computes a real vocab or a first padding row of its own.
 """
 
 from __future__ import annotations
