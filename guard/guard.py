@@ -91,7 +91,7 @@ class Guard:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """A plain-dict snapshot as of the last host read (DESIGN.md)."""
+        """A plain-dict snapshot as of the last host read (README.md, "Use")."""
         return self._record.stats
 
     def figures(self) -> dict[str, float]:
@@ -229,7 +229,7 @@ def attach(
     loss_scale: float = 1.0,
     scaler: Any = None,
 ) -> Guard:
-    """Hook the embedding and lm_head of `model` and check every step (DESIGN.md).
+    """Hook the embedding and lm_head of `model` and check every step (README.md, "Use").
 
     `optimizer`: a torch optimizer, or a framework's wrapper of one (accelerate, Lightning,
     DeepSpeed). `vocab_shard=(start, end)`: the lm_head, sharded by hand, is this rank's

@@ -106,7 +106,7 @@ class Export(Section):
 
 
 class Policy(Section):
-    """What each check does; see DESIGN.md, 'Policy file'."""
+    """What each check does; see README.md, 'Policy', and docs/checks.md, 'Policy keys'."""
 
     run_id: RunId | None = None
     vocab: VocabSection = VocabSection()

@@ -14,7 +14,7 @@ __all__ = ["Action", "Section"]
 
 
 class Action(StrEnum):
-    """What a check does when it fires (DESIGN.md); equal to its policy-file string."""
+    """What a check does when it fires (README.md, "Policy"); equal to its policy-file string."""
 
     FAIL = "fail"
     MASK = "mask"

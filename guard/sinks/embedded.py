@@ -21,7 +21,7 @@ class EmbeddedSink:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, server: Any = None) -> None:
-        # Imported here: the library needs fastapi only when it serves (DESIGN.md).
+        # Imported here: the library needs fastapi only when it serves (README.md, "Metrics").
         from guard_server.embedded import EmbeddedServer
 
         self._owned = server is None

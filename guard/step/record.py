@@ -57,7 +57,7 @@ def _figures(values: Values) -> dict[str, Any]:
 
 
 def empty_stats() -> dict[str, Any]:
-    """`g.stats` before the first read (DESIGN.md, Public API): gauges None, counts 0."""
+    """`g.stats` before the first read (README.md, "Use"): gauges None, counts 0."""
     zero = _figures(LAYOUT.values([0.0] * len(LAYOUT)))
     gauges = {k: None for k, v in zero.items() if not isinstance(v, Mapping)}
     counts = {k: dict(v) for k, v in zero.items() if isinstance(v, Mapping)}
@@ -124,7 +124,7 @@ class Record:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """A plain-dict copy (DESIGN.md, Public API)."""
+        """A plain-dict copy (README.md, "Use")."""
         s = {k: dict(v) if isinstance(v, dict) else v for k, v in self._stats.items()}
         s["violations"] = {c: dict(a) for c, a in self._violations.items()}
         return s

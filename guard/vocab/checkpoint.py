@@ -17,6 +17,7 @@ from typing import Any
 from guard.errors import CheckpointError
 from guard.quote import quote, shown
 from guard.vocab.files import load_json
+from guard.vocab.names import HEAD_NAMES, NESTED_HEADS
 from guard.vocab.safetensors_header import Tensor, read_tensors, safetensors_shapes
 from guard.vocab.safetensors_rows import RowStats, row_stats
 from guard.vocab.safetensors_untrained import UntrainedStats, untrained_stats
@@ -29,10 +30,10 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Where HF architectures keep the token embedding (name suffixes) and the output head (GPT-2
 # wte, Llama/Mistral/OPT embed_tokens, BLOOM/BERT word_embeddings, GPT-NeoX embed_in, T5
-# shared; lm_head almost everywhere, embed_out in GPT-NeoX, output in original Llama).
+# shared); the head's names are guard/vocab/names.py's, shared with discovery.
 _EMBEDDING = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight",
               "tok_embeddings.weight", "shared.weight")
-_HEAD = ("lm_head.weight", "embed_out.weight")
+_HEAD = tuple(f"{n}.weight" for n in NESTED_HEADS)
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,8 @@ def _find_heads(d: Path) -> tuple[TensorInfo, TensorInfo | None]:
     files, cache = _weight_files(d)
     names = sorted(files)
     emb_name, head_name = _pick(names, _EMBEDDING), _pick(names, _HEAD)
-    if head_name is None and "output.weight" in files:
-        head_name = "output.weight"  # original Llama layout: top level only
+    if head_name is None:  # the generic names (original Llama's output): top level only
+        head_name = next((f"{n}.weight" for n in HEAD_NAMES if f"{n}.weight" in files), None)
     if emb_name is None:
         where = INDEX if (d / INDEX).exists() else SINGLE
         raise CheckpointError(str(d / where), "no token embedding tensor; expected a name "

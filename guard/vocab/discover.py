@@ -10,12 +10,12 @@ from torch import nn
 from guard.errors import AttachError
 from guard.quote import quote
 from guard.vocab import megatron
+from guard.vocab.names import HEAD_NAMES
 from guard.wrappers import unwrap
 
 __all__ = ["Heads", "discover", "find_heads", "weight_shape"]
 
 # Names used by nanoGPT, HF, Llama-style and Megatron-style code for the output projection.
-_HEAD_NAMES = ("lm_head", "output", "head", "output_layer", "embed_out", "cls")
 # ... and for the final norm whose output the head projects (GPT-2 / nanoGPT ln_f, Llama /
 # Mistral norm, OPT / T5 final_layer_norm, Megatron final_layernorm, GPT-NeoX final_layer_norm).
 _FINAL_NORM_NAMES = ("ln_f", "norm", "final_layer_norm", "final_layernorm", "ln_final", "norm_f")
@@ -111,7 +111,7 @@ def _embedding(m: nn.Module) -> bool:
 def _find_head(model: nn.Module, emb: nn.Module | None) -> nn.Module:
     linears: list[tuple[str, nn.Module]] = [(n, m) for n, m in model.named_modules()
                                             if _linear(m)]
-    named = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in _HEAD_NAMES]
+    named = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in HEAD_NAMES]
     if len(named) == 1:
         return named[0][1]
     # Without a name, the head is the Linear whose outputs match an embedding's rows.
@@ -147,7 +147,7 @@ def _find_tied_linear(model: nn.Module) -> tuple[str, nn.Module, nn.Module] | No
     """(name, module called, weight holder) of a TiedLinear head: a plain attribute of a module
     (not a registered submodule), under one of the head names."""
     for name, m in model.named_modules():
-        for attr in _HEAD_NAMES:
+        for attr in HEAD_NAMES:
             if (parts := _tied_parts(m.__dict__.get(attr))) is not None:
                 return (f"{name}.{attr}" if name else attr), *parts
     return None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from guard.errors import CheckpointError
-from guard.vocab.read_limits import ENV, read_limits
+from guard.vocab.read_limits import ENV, limits
 
 __all__ = ["load_json", "opened", "read_bytes"]
 
@@ -53,7 +53,7 @@ def opened(path: Path, what: str, missing: str = "missing") -> Iterator[tuple[in
 def read_bytes(path: Path, what: str, limit: int | None = None) -> bytes:
     """The whole of `path`, a regular file of at most `limit` bytes (GUARD_CHECKPOINT_MAX_
     FILE_BYTES by default)."""
-    limit = read_limits().file_bytes if limit is None else limit
+    limit = limits().file_bytes if limit is None else limit
     with opened(path, what) as (fd, size):
         if size > limit:
             raise CheckpointError(str(path), f"{size} bytes, over the {limit}-byte bound "

@@ -1,16 +1,18 @@
 """How much of a checkpoint directory `guard audit` and attach read: the directory is untrusted
 input (audited because it was downloaded), so every read has a bound, each an environment
-variable with the default below (docs/audit.md, "Hostile files")."""
+variable with the default below (docs/audit.md, "Hostile files"), read once a process: at the
+first read, then kept (`limits()`)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from functools import cache
 
 from guard.errors import CheckpointError
 
-__all__ = ["ENV", "ReadLimits", "read_limits"]
+__all__ = ["ENV", "ReadLimits", "limits", "read_limits"]
 
 
 @dataclass(frozen=True)
@@ -46,3 +48,10 @@ def read_limits(environ: Mapping[str, str] = os.environ) -> ReadLimits:
                                   f"{text[:40]!r}")
         values[name] = int(text)
     return ReadLimits(**values)
+
+
+@cache
+def limits() -> ReadLimits:
+    """The process's bounds: read_limits() of the environment at the first call, kept after (a
+    bad value is not kept: it is refused again at the next read)."""
+    return read_limits()

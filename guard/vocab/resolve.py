@@ -1,9 +1,9 @@
 """The vocab sizes of a guarded model, resolved once at attach, and the public `audit()`.
 
-Three sizes exist (DESIGN.md): `real` (ids the tokenizer can produce), `rows` (of the
-embedding / lm_head) and the aligned size. A vocab-parallel head adds its shard: the global
-ids [start, end) of its output columns. Everything downstream takes its numbers from one
-`Sizes`, so no part computes a real vocab or a first padding row of its own.
+Three sizes exist (docs/checks.md, "The real vocab"): `real` (ids the tokenizer can
+produce), `rows` (of the embedding / lm_head) and the aligned size. A vocab-parallel head adds
+its shard: the global ids [start, end) of its output columns. Everything downstream takes its
+numbers from one `Sizes`, so no part computes a real vocab or a first padding row of its own.
 """
 
 from __future__ import annotations

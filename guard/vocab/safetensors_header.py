@@ -17,7 +17,7 @@ from typing import Any
 
 from guard.errors import CheckpointError
 from guard.vocab.files import opened
-from guard.vocab.read_limits import ENV, read_limits
+from guard.vocab.read_limits import ENV, limits
 
 __all__ = ["Tensor", "read_tensor", "read_tensors", "safetensors_shapes"]
 
@@ -39,7 +39,7 @@ class Tensor:
 
 def _length(path: Path, fd: int, size: int) -> int:
     """The header's length, checked against the file and the bound before a byte of it is read."""
-    limit = read_limits().header_bytes
+    limit = limits().header_bytes
     prefix = os.pread(fd, 8, 0)
     if len(prefix) < 8:
         raise CheckpointError(str(path), f"{len(prefix)} bytes; expected a safetensors file "

@@ -15,7 +15,7 @@ import numpy as np
 
 from guard.errors import CheckpointError
 from guard.vocab.files import opened
-from guard.vocab.read_limits import ENV, read_limits
+from guard.vocab.read_limits import ENV, limits
 from guard.vocab.safetensors_header import Tensor, read_tensor
 
 __all__ = ["DTYPES", "Block", "RowStats", "blocks", "norms", "row_stats"]
@@ -51,7 +51,7 @@ def _width(path: Path, t: Tensor) -> int:
     if len(t.shape) != 2:
         raise CheckpointError(str(path), f"expected a 2-D tensor {t.name!r}, got "
                               f"{list(t.shape)}")
-    width, limit = t.shape[1] * _SIZES[t.dtype], read_limits().row_bytes
+    width, limit = t.shape[1] * _SIZES[t.dtype], limits().row_bytes
     if width > limit:
         raise CheckpointError(str(path), f"rows of {t.name!r} are {width} bytes, over the "
                               f"{limit}-byte bound ({ENV['row_bytes']}); not read")

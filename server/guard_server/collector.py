@@ -75,7 +75,7 @@ def server_families(reports_total: int, rejected: Mapping[RejectReason, int], ru
 
 
 def build_families(snap: Snapshot) -> list[Metric]:
-    """Every guard_* family of DESIGN.md from one snapshot, built whole."""
+    """Every guard_* family of docs/metrics.md from one snapshot, built whole."""
     rows = [(v.run_id, v.rank, v.latest, v.last_seen) for v in snap.ranks]
     runs = len({view.run_id for view in snap.ranks})
     return [*(family(f, rows) for f in PER_RANK),

@@ -1,4 +1,4 @@
-"""The per-rank metric families of /metrics (DESIGN.md), one table: what the collector emits
+"""The per-rank metric families of /metrics (docs/metrics.md), one table: what the collector emits
 for a rank and what the store counts at ingest to bound a scrape (GUARD_SERVER_MAX_SERIES)
 before any scrape happens. A family added here is emitted and counted alike."""
 
