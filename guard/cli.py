@@ -1,4 +1,4 @@
-"""The `guard` command: demo, serve, audit, targets.
+"""The `guard` command: demo, serve, audit, targets, policy check.
 
 Only `guard demo` imports torch: serve, audit, targets and --version start without it.
 """
@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias
+
+from guard.policy_check import add_policy
 
 __all__ = ["main"]
 
@@ -254,7 +256,7 @@ class _Version(argparse.Action):
 
 
 # Each entry adds one subcommand.
-SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_demo, _serve, _audit, _targets]
+SUBCOMMANDS: list[Callable[[Subparsers], None]] = [_demo, _serve, _audit, _targets, add_policy]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,6 +27,7 @@ def open_sinks(export: Export, local_rank: int) -> list[Sink]:
     endpoint that cannot start is a warning, and training goes on without it."""
     from guard.sinks.embedded import start_embedded
     from guard.sinks.push import PushSink
+    from guard.sinks.quiet import quiet_dependencies
 
     sinks: list[Sink] = []
     address = export.serve_address(local_rank)
@@ -35,6 +36,7 @@ def open_sinks(export: Export, local_rank: int) -> list[Sink]:
     if export.push is not None:
         try:
             sinks.append(PushSink(export.push))
+            quiet_dependencies()
         except ValueError as e:  # GUARD_TOKEN is no bearer token: said at start, not at step 1
             for sink in sinks:
                 sink.close()
