@@ -135,11 +135,12 @@ def wrap_step(owner: object, fn: Callable[..., Any]) -> Handle:
     return _StepHandle(owner, guarded_step)
 
 
-def register(fn: Callable[..., Any]) -> None:
+def register(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """Record `fn`, which the guard hands the user to call in the training step (a pipeline
-    schedule's loss_fn), as hot-path code the scan reads."""
+    schedule's loss_fn), as hot-path code the scan reads; returns it."""
     inner = getattr(fn, "__func__", fn)
     _REGISTERED[inner.__code__] = inner.__qualname__
+    return fn
 
 
 def registered() -> dict[CodeType, str]:

@@ -137,16 +137,7 @@ class Probe:
     def stage_loss(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """A pipeline schedule's `loss_fn(output, target)` (the last stage's): the target
         checked as labels and the loss recorded, per micro-batch, in a training step."""
-
-        def guarded_loss_fn(output: Any, target: Any) -> Any:
-            training = torch.is_grad_enabled()
-            loss = fn(output, self.ids.target(target) if training else target)
-            if training and isinstance(loss, torch.Tensor):
-                self.loss.record(loss, given=True)
-            return loss
-
-        register(guarded_loss_fn)
-        return guarded_loss_fn
+        return register(_stage_loss(self, fn))
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -233,6 +224,17 @@ class Probe:
         hidden, self._hidden = self._hidden, None
         if hidden is not None and not self._head_called and self._head is not None:
             self.logits.measure_fused(hidden, self._head, masked=fused)
+
+
+def _stage_loss(probe: Probe, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def guarded_loss_fn(output: Any, target: Any) -> Any:
+        training = torch.is_grad_enabled()
+        loss = fn(output, probe.ids.target(target) if training else target)
+        if training and isinstance(loss, torch.Tensor):
+            probe.loss.record(loss, given=True)
+        return loss
+
+    return guarded_loss_fn
 
 
 def mask_hook(real: int, columns: int) -> Callable[[nn.Module, Any, Any], Any]:
