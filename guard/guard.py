@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -24,9 +25,9 @@ from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
 from guard.stateful import Finding
 from guard.step.clock import Steps
-from guard.vocab.discover import discover
 from guard.vocab.resolve import resolve
 from guard.vocab.sizes import Audit
+from guard.vocab.stage import Stage, stage_heads, stage_of
 
 __all__ = ["Guard", "attach"]
 
@@ -117,7 +118,18 @@ class Guard:
         return next((s.metrics_url for s in self._record.sinks if isinstance(s, EmbeddedSink)),
                     None)
 
+    @property
+    def stage(self) -> Stage | None:
+        """The pipeline stage this guard watches (None: a whole model)."""
+        return self._parts.stage
+
     # -- what it does ------------------------------------------------------------------------
+
+    def loss_fn(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """`fn(output, target)`, a pipeline schedule's `loss_fn` on the last stage, with the
+        target checked as labels (token_range, untrained_rows) and the loss recorded, once per
+        micro-batch (the step's loss is their mean)."""
+        return self._probe.stage_loss(fn)
 
     def add_sink(self, sink: Sink) -> None:
         """Send this guard's reports to `sink` too (e.g. guard.sinks.MemorySink)."""
@@ -228,6 +240,7 @@ def attach(
     loss_shares: LossShares | None = None,
     loss_scale: float = 1.0,
     scaler: Any = None,
+    tied_across_stages: bool | None = None,
 ) -> Guard:
     """Hook the embedding and lm_head of `model` and check every step (README.md, "Use").
 
@@ -243,21 +256,33 @@ def attach(
     marks its steps with `g.step()` (Lightning's callback passes its own): an inf/NaN gradient
     at the boundary is the scaler's to skip, a figure, not a violation (with `optimizer=` the
     guard needs none: the scaler calls the optimizer's step only when the gradients are finite).
+
+    A pipeline stage (torch's `PipelineStage`, DeepSpeed's `PipelineModule`, or a module that
+    holds only one end of the model, or neither) is guarded for what it holds, every stage
+    deciding alike at each read (docs/integrations.md, pipeline parallel); the last stage's
+    loss and labels come through `g.loss_fn(loss_fn)`. `tied_across_stages=True` (on every
+    rank): the first stage's embedding and the last stage's head are tied copies, checked to
+    agree at attach and every `checks.vocab.tie_every` reads.
     """
-    a = check_arguments(model, policy, optimizer, steps, loss_shares, loss_scale)
+    inner, stage = stage_of(model)
+    a = check_arguments(inner, policy, optimizer, steps, loss_shares, loss_scale)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise AttachError(f"scaler= must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if (ref := _ATTACHED.get(a.model)) is not None and (held := ref()) is not None:
         raise AttachError(
             f"a guard is already attached to this model ({held!r}); call detach() on it first")
     register_sharded(a.model)  # FSDP2: the parameters the optimizer updates, not gathered copies
-    heads = discover(a.model, embedding=embedding, lm_head=lm_head)
+    heads, stage = stage_heads(a.model, embedding=embedding, lm_head=lm_head, stage=stage,
+                               vocab_size=vocab_size, tied=tied_across_stages)
     sizes = resolve(heads, a.policy.vocab, vocab_size=vocab_size, tokenizer=tokenizer,
                     vocab_shard=vocab_shard, model=a.model)
+    # A stage's loss comes once per micro-batch, each its micro-batch's mean.
+    shares = "mean" if stage is not None and stage.head and loss_shares is None \
+        else a.loss_shares
     g = Guard(Parts.build(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer,
-                          steps=steps, loss_shares=a.loss_shares, loss_scale=float(loss_scale),
+                          steps=steps, loss_shares=shares, loss_scale=float(loss_scale),
                           tokenizer=tokenizer, scaled=scaler is not None and scaler.is_enabled(),
-                          caller=a.caller, outer=a.outer))
+                          caller=a.caller, outer=a.outer, stage=stage))
     g._open(a.local_rank)
     inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
     tp = sizes.tp

@@ -26,6 +26,7 @@ from guard.step.record import Record
 from guard.step.verdict import Note, attach_verdict
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
+from guard.vocab.stage import Stage
 
 __all__ = ["Parts"]
 
@@ -47,6 +48,7 @@ class Parts:
     episodes: Episodes | None
     clock: StepClock
     caller: nn.Module  # whose forward hooks see each call of the model: the model, mostly
+    stage: Stage | None = None  # the pipeline stage, where the model is one
     handles: list[Handle] = field(default_factory=list)  # every hook, in one list
 
     @classmethod
@@ -54,7 +56,8 @@ class Parts:
               optimizer: torch.optim.Optimizer | None = None, steps: Steps = "auto",
               loss_shares: LossShares = "last", loss_scale: float = 1.0,
               tokenizer: Any = None, scaled: bool = False,
-              caller: nn.Module | None = None, outer: object | None = None) -> Parts:
+              caller: nn.Module | None = None, outer: object | None = None,
+              stage: Stage | None = None) -> Parts:
         """`caller`: the module whose forward hooks see each call of `model` (a wrapper that
         calls the model's forward method past its hooks, guard/wrappers.py); `outer`: a
         DeepSpeed optimizer around `optimizer`, whose step is the boundary (guard/step/
@@ -65,9 +68,10 @@ class Parts:
                                   vocab_weights(heads, sizes.first_padding)], Masters(optimizer))
         probe = Probe.from_policy(policy, sizes, heads, rank=rank, loss_shares=loss_shares,
                                   loss_scale=loss_scale)
+        probe.pipelined = stage is not None  # every stage reads at attach: one collective
         # The probe, the reader and the guard share the states: one object per check.
         states = attach_states(Attaching(policy, probe.flags, heads, sizes, model, rank,
-                                         tokenizer, optimizer, scaled, caller))
+                                         tokenizer, optimizer, scaled, caller, stage))
         record = Record.from_policy(policy, sizes.audit, rank)
         caller = model if caller is None else caller
         episodes = Episodes.from_policy(policy, caller)  # re-runs what was called
@@ -75,7 +79,7 @@ class Parts:
         clock = StepClock.from_policy(policy, probe, reader, optimizer=optimizer, steps=steps,
                                       outer=outer)
         return cls(model, heads, policy, sizes, optimizer, probe, states, record, episodes,
-                   clock, caller)
+                   clock, caller, stage)
 
     def install(self) -> None:
         """alignment and vocab first: `fail` stops the job before any hook goes on. Everything

@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from guard.device.compile import eager_at_top_level
 
-__all__ = ["Compiled", "Handle", "Kind", "hook", "registered", "wrap_loss", "wrap_step"]
+__all__ = ["Compiled", "Handle", "Kind", "hook", "register", "registered", "wrap_loss", "wrap_step"]
 
 # grad_accumulated: on a parameter, after its .grad was accumulated in a backward.
 Kind = Literal["forward_pre", "forward", "step_pre", "grad_accumulated"]
@@ -133,6 +133,14 @@ def wrap_step(owner: object, fn: Callable[..., Any]) -> Handle:
 
     owner.__dict__["step"] = guarded_step
     return _StepHandle(owner, guarded_step)
+
+
+def register(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Record `fn`, which the guard hands the user to call in the training step (a pipeline
+    schedule's loss_fn), as hot-path code the scan reads; returns it."""
+    inner = getattr(fn, "__func__", fn)
+    _REGISTERED[inner.__code__] = inner.__qualname__
+    return fn
 
 
 def registered() -> dict[CodeType, str]:

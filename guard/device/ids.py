@@ -84,6 +84,27 @@ class IdHooks:
         at, given = self.labels_arg.find(args, kwargs)
         if not isinstance(given, torch.Tensor) or given.is_floating_point():
             return None
+        safe = self._label_ids(given, counting, checked=checked, fused=fused)
+        if safe is None:
+            return None
+        if isinstance(at, str):
+            return args, {**kwargs, at: safe}
+        if isinstance(at, int):
+            return (*args[:at], safe, *args[at + 1:]), kwargs
+        return None
+
+    def target(self, given: Any) -> Any:
+        """A pipeline schedule's target, the labels of the last stage outside any forward:
+        counted and checked as labels (a training step's), and returned made safe."""
+        if not isinstance(given, torch.Tensor) or given.is_floating_point():
+            return given
+        safe = self._label_ids(given, self._watchers["label"], checked=self.cfg.token_range,
+                               fused=False)
+        return given if safe is None else safe
+
+    def _label_ids(self, given: torch.Tensor, counting: Sequence[IdWatcher], *, checked: bool,
+                   fused: bool) -> torch.Tensor | None:
+        """The labels counted, checked (`checked`) and made safe; None: left as they are."""
         labels = local(given)
         for w in counting:
             w.count("label", labels)
@@ -99,14 +120,9 @@ class IdHooks:
             # none), counted above; with the fused head cut to the real rows, a label past
             # them. Negative labels stay: they are the loss's own ignore value (HF -100,
             # nanoGPT -1), or a setting the message names.
-            safe = rewrap(given, within_rows(labels, self.cfg.real if fused else self.cfg.rows,
+            return rewrap(given, within_rows(labels, self.cfg.real if fused else self.cfg.rows,
                                              -100 if ignore is None else ignore,
                                              negative=False))
-        if isinstance(at, str):
-            return args, {**kwargs, at: safe}
-        if isinstance(at, int):
-            return (*args[:at], safe, *args[at + 1:]), kwargs
-        return None
 
     def _out_of_range(self, kind: IdKind, ids: torch.Tensor, ignore_index: int | None) -> None:
         n, negative, top = out_of_range_parts(ids, self.cfg.real, ignore_index)

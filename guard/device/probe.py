@@ -15,7 +15,7 @@ from guard.checks import coverage, grads, nonfinite
 from guard.device.dtensors import head_output, local
 from guard.device.flags import Flags
 from guard.device.fused import FusedHead
-from guard.device.hooks import Handle, hook
+from guard.device.hooks import Handle, hook, register
 from guard.device.ids import IdHooks, IdWatcher
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.loss import LossShares, StepLoss
@@ -67,6 +67,9 @@ class Probe:
         self.site = LogitsSite(cfg, self.logits)
         self.fused: FusedHead | None = None  # a fused LM head handed the real rows (TRL)
         self._skips_watched = False  # the clock tells the updates the loop skipped
+        # A pipeline stage: every stage reads at attach, whatever its own states need, since
+        # the read is a collective of every rank (guard/vocab/stage.py).
+        self.pipelined = False
 
     @classmethod
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
@@ -86,7 +89,7 @@ class Probe:
     @property
     def reads_at_attach(self) -> bool:
         """Something is checked before step 1 (the weights' rows: padding, untrained)."""
-        return any(s.reads_at_attach for s in self.states)
+        return self.pipelined or any(s.reads_at_attach for s in self.states)
 
     def end_step(self, step: int) -> None:
         """Step `step` ended: fold its loss, count what it did not see, move the sample."""
@@ -130,6 +133,11 @@ class Probe:
     def record_loss(self, loss: torch.Tensor, *, fallback: bool = False) -> None:
         """A loss given by `g.step(loss)` (see StepLoss.record)."""
         self.loss.record(loss, given=True, fallback=fallback)
+
+    def stage_loss(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """A pipeline schedule's `loss_fn(output, target)` (the last stage's): the target
+        checked as labels and the loss recorded, per micro-batch, in a training step."""
+        return register(_stage_loss(self, fn))
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -216,6 +224,17 @@ class Probe:
         hidden, self._hidden = self._hidden, None
         if hidden is not None and not self._head_called and self._head is not None:
             self.logits.measure_fused(hidden, self._head, masked=fused)
+
+
+def _stage_loss(probe: Probe, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def guarded_loss_fn(output: Any, target: Any) -> Any:
+        training = torch.is_grad_enabled()
+        loss = fn(output, probe.ids.target(target) if training else target)
+        if training and isinstance(loss, torch.Tensor):
+            probe.loss.record(loss, given=True)
+        return loss
+
+    return guarded_loss_fn
 
 
 def mask_hook(real: int, columns: int) -> Callable[[nn.Module, Any, Any], Any]:

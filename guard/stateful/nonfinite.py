@@ -62,10 +62,14 @@ class GradState(CheckState):
         if not reading.glob[nonfinite.SPEC].counts.get("grad"):
             return ""
         bad = self.norms.named_bad()
+        hit = [self.names[i] for i, b in enumerate(bad.tolist()) if b > 0]  # a violation
         if reduce and dist.is_available() and dist.is_initialized() and \
                 dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        hit = [self.names[i] for i, b in enumerate(bad.tolist()) if b > 0]  # a violation
+            # The names, not a tensor per parameter: the ranks of a pipeline's stages hold
+            # different parameters (and a sharded one's NaN may sit on another rank's shard).
+            every: list[list[str] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, hit)
+            hit = list(dict.fromkeys(n for names in every for n in names or ()))
         if not hit:
             return ""
         first = ", ".join(hit[:_NAMED])

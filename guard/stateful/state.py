@@ -18,6 +18,7 @@ from guard.device.reading import Reading
 from guard.policy import Policy
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
+from guard.vocab.stage import Stage
 from guard_server.wire import CheckName, IdKind, WeightName
 
 __all__ = ["Attaching", "CheckState", "Finding"]
@@ -39,6 +40,7 @@ class Attaching:
     # The module whose forward hooks see each call of `model`: a wrapper that calls the
     # model's forward method past its hooks (guard/wrappers.py); None: the model itself.
     caller: nn.Module | None = None
+    stage: Stage | None = None  # the pipeline stage the model is (None: a whole model)
 
 
 @dataclass(frozen=True)

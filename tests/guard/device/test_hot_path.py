@@ -99,10 +99,12 @@ def hooked_functions() -> dict[tuple[str, int], Function]:
         tree = ast.parse(path.read_text())
         parents = _scopes(tree)
         for call in ast.walk(tree):
-            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-                    and call.func.id in ("hook", "wrap_loss", "wrap_step") and len(call.args) >= 2):
+            # register(fn): a function the guard hands the user (a pipeline's loss_fn)
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and (
+                    (call.func.id in ("hook", "wrap_loss", "wrap_step") and len(call.args) >= 2)
+                    or (call.func.id == "register" and len(call.args) == 1))):
                 continue
-            arg, scope = call.args[1], parents[call]
+            arg, scope = call.args[-1 if call.func.id == "register" else 1], parents[call]
             while not isinstance(scope, ast.ClassDef | ast.Module):
                 scope = parents[scope]
             factory = isinstance(arg, ast.Call)

@@ -1,0 +1,93 @@
+"""A pipeline stage attached in one process (guard/vocab/stage.py): the first stage (the
+embedding only) and the last (the head only) attach, each checks what it holds, and neither is
+blind for what the other holds. The torchrun tests of real pipelining are issue 38's next."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import guard
+
+REAL, ROWS, D = 1000, 1024, 16
+POLICY = {"export": {"serve": None}}
+
+
+class First(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(ROWS, D)
+        self.block = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.block(self.tok(x)))
+
+
+class Last(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, ROWS, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight[REAL:] = self.lm_head.weight[:REAL].mean(dim=0)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(torch.tanh(self.block(h))))
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _step(first: First, last: Last, g: guard.Guard, x: torch.Tensor, y: torch.Tensor,
+          opts: list[torch.optim.Optimizer]) -> None:
+    h = first(x)
+    loss = g.loss_fn(_loss)(last(h), y)
+    loss.backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
+def test_first_and_last_stage_attach_and_are_quiet_when_healthy() -> None:
+    torch.manual_seed(0)
+    first, last = First(), Last()
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, last))
+    with guard.attach(first, policy=POLICY, vocab_size=REAL, optimizer=o1) as g1, \
+            guard.attach(last, policy=POLICY, vocab_size=REAL, optimizer=o2) as g2:
+        assert g1.stage is not None and (g1.stage.embedding, g1.stage.head) == (True, False)
+        assert g2.stage is not None and (g2.stage.embedding, g2.stage.head) == (False, True)
+        for _ in range(3):
+            x, y = torch.randint(0, REAL, (2, 8)), torch.randint(0, REAL, (2, 8))
+            _step(first, last, g2, x, y, [o1, o2])
+    assert g1.stats["violations"] == {} and g2.stats["violations"] == {}
+    assert g2.stats["loss"] is not None
+
+
+def test_a_ghost_label_through_loss_fn_stops_the_last_stage() -> None:
+    torch.manual_seed(0)
+    first, last = First(), Last()
+    o2 = torch.optim.SGD(last.parameters(), lr=0.1)
+    with guard.attach(last, policy=POLICY, vocab_size=REAL, optimizer=o2) as g2:
+        x, y = torch.randint(0, REAL, (2, 8)), torch.randint(0, REAL, (2, 8))
+        y[0, 0] = REAL + 3
+        before = last.lm_head.weight.detach().clone()
+        with pytest.raises(guard.GuardViolation) as e:
+            _step(first, last, g2, x, y, [o2])
+    assert e.value.check == "token_range"
+    assert torch.equal(before, last.lm_head.weight)
+
+
+def test_a_ghost_input_stops_the_first_stage() -> None:
+    first = First()
+    o1 = torch.optim.SGD(first.parameters(), lr=0.1)
+    with guard.attach(first, policy=POLICY, vocab_size=REAL, optimizer=o1):
+        x = torch.randint(0, REAL, (2, 8))
+        x[1, 1] = REAL + 5
+        first(x).sum().backward()
+        with pytest.raises(guard.GuardViolation) as e:
+            o1.step()
+    assert e.value.check == "token_range"
