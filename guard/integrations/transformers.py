@@ -153,7 +153,7 @@ class GuardCallback(GuardedTraining, TrainerCallback):
         trainer.compute_loss_func = fed
         self._wrapped = (loss_func, fed)
 
-    def _detach(self, *, keep_mask: bool = False) -> None:
+    def _detach(self, *, keep_mask: bool = False, raise_late: bool = False) -> None:
         # The original compute_loss_func back with the guard's detach (train end, the next
         # train() after one that raised), unless something replaced the wrapper since.
         if self._wrapped is not None and self._trainer is not None:
@@ -161,7 +161,7 @@ class GuardCallback(GuardedTraining, TrainerCallback):
             if self._trainer.compute_loss_func is fed:
                 self._trainer.compute_loss_func = loss_func
         self._wrapped = None
-        super()._detach(keep_mask=keep_mask)
+        super()._detach(keep_mask=keep_mask, raise_late=raise_late)
 
 
 def _logs(callback: TrainerCallback) -> bool:
