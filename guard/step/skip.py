@@ -84,8 +84,28 @@ def drop_update(opt: torch.optim.Optimizer) -> None:
 
 
 def takes_found_inf(opt: torch.optim.Optimizer) -> bool:
-    """`opt` skips its update on the device when handed `found_inf` (GradScaler's contract)."""
+    """`opt` skips its update on the device when handed `found_inf` (GradScaler's contract),
+    exactly. Not fused SGD with momentum and dampening: its first step makes the momentum
+    buffers uninitialised (torch.empty_like) and fills them in the kernel, which a dropped
+    step never runs; without dampening the guard makes them zeros first (`_first_momentum`)."""
+    if isinstance(opt, torch.optim.SGD) and any(
+            g["momentum"] != 0 and g["dampening"] != 0 for g in opt.param_groups):
+        return False
     return bool(getattr(opt, "_step_supports_amp_scaling", False))
+
+
+def _first_momentum(opt: torch.optim.Optimizer) -> None:
+    """Fused SGD's momentum buffers made zeros before its first step: momentum * 0 + grad is the
+    first step's buffer (grad) bitwise, and a dropped step leaves zeros, not what empty_like
+    held (host bookkeeping: which parameters have state)."""
+    if not isinstance(opt, torch.optim.SGD):
+        return
+    for group in opt.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            if p.grad is not None and opt.state[p].get("momentum_buffer") is None:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
 def device_skip(policy: Policy, optimizer: torch.optim.Optimizer | None, flags: Flags, *,
@@ -150,6 +170,7 @@ class DeviceSkip:
     def give(self, opt: torch.optim.Optimizer) -> None:
         """In the step pre-hook: hand `opt` this update's `found_inf`, the max with a
         GradScaler's own (it set `opt.found_inf` before calling step, and deletes it after)."""
+        _first_momentum(opt)
         theirs: Any = getattr(opt, "found_inf", None)
         if isinstance(theirs, torch.Tensor) and theirs is not self._given:
             self._given = None

@@ -222,3 +222,22 @@ def test_a_gradscalers_skip_and_the_guards_compose() -> None:
     ref_m, ref_opt, _ = scaled_run([0, 1])
     assert_same(snapshot(m, opt), snapshot(ref_m, ref_opt))
     assert scaler.get_scale() == 2.0**7 and not hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize("make_opt", FUSED.values(), ids=FUSED.keys())
+def test_a_dropped_first_step_leaves_the_next_one_as_a_first_step(make_opt: Opt) -> None:
+    """Fused SGD's first step makes its momentum buffers with empty_like and fills them in the
+    kernel: dropped, they would hold whatever memory held (the guard makes them zeros first)."""
+    checks = CASES[("nan", "skip")]
+    m, _, _, _ = run(make_opt, checks, [0, 1], bad_at=0, kind="nan")
+    ref_m, _, _, _ = run(make_opt, checks, [1])
+    assert_same(m.state_dict(), ref_m.state_dict())
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_sgd_with_momentum_and_dampening_reads_before_the_update() -> None:
+    m = tiny_gpt()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.1, fused=True)
+    with pytest.raises(AttachError, match="SGD takes no found_inf"):
+        guard.attach(m, policy={**policy(), "cadence": {"fail_read": "lagged"}},
+                     vocab_size=100, optimizer=opt)
