@@ -1,8 +1,9 @@
 """Where a guarded step's added time goes, phase by phase: the bench model of
 `bench/overhead.py` (4 layers, d 256, batch 8 x 128, vocab 50257 / 50304, AdamW foreach),
 baseline and guarded arms interleaved step by step in one process, and each step cut into
-forward, backward, the guard's step pre-hook (the gradient check and the read), AdamW's own
-update, zero_grad, and the cyclic garbage collector's time inside the step. Per phase: 1 + the
+forward, backward, the loop's clip (`--clip`), the guard's step pre-hook (the gradient check
+and the read), AdamW's own update, zero_grad, and the cyclic garbage collector's time inside
+the step. Per phase: 1 + the
 median per-round difference over the baseline's median step (paired, as overhead.py), in the
 main thread's CPU time (`time.thread_time`; with one torch thread, the step's work, which a
 busy machine inflates less than wall time) and in wall time; and the minor page faults each
@@ -10,6 +11,7 @@ phase adds (fresh pages from the allocator, zeroed by the kernel: a count load c
 
     python bench/step_anatomy.py --steps 20                 # default policy, one thread
     python bench/step_anatomy.py --arms baseline,default,mask --steps 20
+    python bench/step_anatomy.py --clip 1.0                 # the HF Trainer's loop
     cd /tmp/old && PYTHONPATH=/tmp/old python /work/wt/bench/step_anatomy.py   # another tree
 
 Uses the public API only: it runs on any tree since issue 10. A phase nobody's work grew in
@@ -40,7 +42,7 @@ POLICIES: dict[str, dict[str, Any] | None] = {
     "mask": {"checks": {"padding_mass": {"action": "mask"}, "nonfinite": {"action": "warn"},
                         "token_range": {"action": "warn"}, "loss_spike": {"action": "off"}}},
 }
-PHASES = ("forward", "backward", "guard pre-hook", "AdamW", "zero_grad", "gc", "step")
+PHASES = ("forward", "backward", "clip", "guard pre-hook", "AdamW", "zero_grad", "gc", "step")
 _GC: dict[str, float] = {"start": 0.0, "spent": 0.0, "count": 0.0}
 
 
@@ -86,7 +88,7 @@ class Arm:
             self.marks[key] = _now()
         return mark
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def step(self, x: torch.Tensor, y: torch.Tensor, clip: float | None) -> None:
         now = _now
         gc0 = _GC["spent"]
         t0 = now()
@@ -94,14 +96,17 @@ class Arm:
         t1 = now()
         loss.backward()
         t2 = now()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        t2c = now()
         self.opt.step()
         t3 = now()
         self.opt.zero_grad(set_to_none=True)
         t4 = now()
         m = self.marks
-        cuts = {"forward": (t0, t1), "backward": (t1, t2), "guard pre-hook": (m["pre"],
-                m["update"]), "AdamW": (m["update"], m["post"]), "zero_grad": (t3, t4),
-                "step": (t0, t4)}
+        cuts = {"forward": (t0, t1), "backward": (t1, t2), "clip": (t2, t2c),
+                "guard pre-hook": (m["pre"], m["update"]), "AdamW": (m["update"], m["post"]),
+                "zero_grad": (t3, t4), "step": (t0, t4)}
         for phase, (a, b) in cuts.items():
             self.cpu[phase].append(b[0] - a[0])
             self.wall[phase].append(b[1] - a[1])
@@ -130,6 +135,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip_grad_norm_ before the update, in every arm (the HF Trainer's 1.0)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
@@ -149,7 +156,7 @@ def main() -> None:
     for i in range(args.warmup + args.steps):
         x = torch.randint(0, real, (args.batch, args.block + 1), generator=g)
         for arm in arms if i % 2 == 0 else arms[::-1]:
-            arm.step(x[:, :-1], x[:, 1:])
+            arm.step(x[:, :-1], x[:, 1:], args.clip)
         if i == args.warmup - 1:
             for arm in arms:
                 for d in (arm.cpu, arm.wall, arm.faults):
