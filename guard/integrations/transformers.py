@@ -150,7 +150,12 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
                 "GuardCallback: restore_callback_states_from_checkpoint=True rebuilt the "
                 "callback without its policy, tokenizer or Trainer; leave it False (the "
                 "default): the guard restores its own state from the checkpoint")
-        saved = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
+        held_by = getattr(state, "stateful_callbacks", None)
+        if not isinstance(held_by, dict):
+            return
+        # A checkpoint saved without this callback has no entry, where the Trainer's next save
+        # writes this callback's state (a KeyError there): the entry, until then empty.
+        saved = held_by.setdefault(type(self).__name__, {"args": {}, "attributes": {}})
         saved = saved[0] if isinstance(saved, list) and saved else saved
         held = saved.get("attributes", {}).get(_SAVED) if isinstance(saved, dict) else None
         if state.global_step < 1:

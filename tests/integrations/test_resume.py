@@ -6,6 +6,7 @@ fresh window would still be warming up), the step goes on and so do the counters
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,21 @@ def test_hf_trainer_refuses_to_rebuild_the_callback(tmp_path: Path) -> None:
     t, _ = hf_run(tmp_path, 8, restore_callback_states_from_checkpoint=True)
     with pytest.raises(AttachError, match="restore_callback_states_from_checkpoint=True rebuilt"):
         t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+
+
+def test_hf_trainer_says_when_the_checkpoint_has_no_guard_state(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A guard added at the resume starts empty, says so, and the Trainer's save at step 8
+    finds the callback's entry in its state (the checkpoint of step 6 has none)."""
+    t, cb = hf_run(tmp_path, 6)
+    t.callback_handler.remove_callback(cb)  # trained without the guard
+    t.train()
+    t, cb = hf_run(tmp_path, 8)
+    with caplog.at_level(logging.WARNING, logger="guard"):
+        t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+    assert "guard: resuming at step 6 from a checkpoint without the guard's state: its loss " \
+           "window and counters start empty" in caplog.text
+    assert cb.guard is not None and cb.guard.stats["step"] == 2
 
 
 # -- Lightning -------------------------------------------------------------------------------
