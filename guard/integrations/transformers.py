@@ -135,9 +135,8 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
         """What the Trainer saves of this callback in a checkpoint's trainer_state.json (on the
         process that saves): the guard's state while it trains (Guard.state_dict(), plain
         data). The Trainer also asks it before train begin, where it has none."""
-        training = self.guard is not None and self._logged_at is not None
-        return {"args": {}, "attributes": {_SAVED: self.guard.state_dict()}
-                if training and self.guard is not None else {}}
+        g = self.guard if self._logged_at is not None else None  # _logged_at: None off training
+        return {"args": {}, "attributes": {} if g is None else {_SAVED: g.state_dict()}}
 
     def _resume(self, g: guard.Guard, state: Any) -> None:
         """At a train(resume_from_checkpoint=...) the Trainer's state is the checkpoint's: the

@@ -29,7 +29,7 @@ import torch
 from guard.device.loss import SpikeTracker
 from guard.device.probe import Probe
 from guard.errors import StateError
-from guard.policy import CHECKS, Action, Policy
+from guard.policy import CHECKS, Action
 from guard.step.clock import StepClock
 from guard.step.record import Record
 from guard.vocab.resolve import Sizes
@@ -49,7 +49,6 @@ class Resumable:
     _record: Record
     _probe: Probe
     _sizes: Sizes
-    _policy: Policy
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on as if never stopped: the step, the loss-spike
@@ -95,8 +94,9 @@ class Resumable:
         held = self._record.stats
         totals = _totals(state.get("totals", {}), self._record.counted | {"violations"} | {
             k for k, v in held.items() if v is None})
+        rank = _int(state, "rank", default=self._record.rank)
         # Everything checked: nothing changes before this line.
-        if (rank := _int(state, "rank", default=self._record.rank)) != self._record.rank:
+        if rank != self._record.rank:
             # The frameworks save rank 0's state only: the step and the loss window fit every
             # rank, rank 0's totals do not.
             log.info("guard: resuming rank %d from rank %d's state: its step and loss window, "
