@@ -92,6 +92,8 @@ class Parts:
         if (error := verdict.error()) is not None:
             raise error
         self.handles += self.probe.install(self.model, self.heads, self.states, self.caller)
+        for state in self.states:
+            self.handles += state.install()
         self.handles += self.clock.install(self.caller, self.optimizer)
         if self.episodes is not None and self.optimizer is not None:
             self.handles += self.episodes.install(self.probe)

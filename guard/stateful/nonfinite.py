@@ -1,5 +1,6 @@
 """The nonfinite check's state: the gradients the optimizer applies, checked at each step
-boundary before the update (guard/device/grads.py reduces them on the device), the total norm
+boundary before the update (guard/device/grads.py reduces them on the device; where the loop
+clips, from the clip's own norms, taken before the clip: guard/device/clip.py), the total norm
 and its largest parameter as figures, and at a violation the parameters named."""
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from guard.checks import grads, nonfinite
+from guard.device.clip import tap
 from guard.device.grads import GradNorms
+from guard.device.hooks import Handle
 from guard.device.reading import Reading
 from guard.stateful.state import Attaching, CheckState
 
@@ -44,6 +47,11 @@ class GradState(CheckState):
             named.setdefault(id(p), name)
         names = [named.get(id(p), f"optimizer parameter {i}") for i, p in enumerate(params)]
         return cls(GradNorms(params, at.flags, scaled=at.scaled), names)
+
+    def install(self) -> list[Handle]:
+        """The loop's gradient clip hands its per-parameter norms over (guard/device/clip.py):
+        taken before it spreads a NaN, in place of a second read of the gradients."""
+        return [tap(self.norms)]
 
     def end_step(self) -> None:
         self.norms.measure()

@@ -91,7 +91,8 @@ def _imported(tree: ast.Module, name: str) -> tuple[Path, Function] | None:
 
 def hooked_functions() -> dict[tuple[str, int], Function]:
     """Every function given to `hook(...)` (or `wrap_loss(...)`: it runs inside the model's
-    loss function; `wrap_step(...)`: inside a DeepSpeed optimizer's step) under guard/, by
+    loss function; `wrap_step(...)`: inside a DeepSpeed optimizer's step; `wrap_call(...)`:
+    inside a library's function, the loop's gradient clip) under guard/, by
     (file, line of its def): a method (`self._x`), a function of the module, or the nested
     function a factory call returns."""
     found: dict[tuple[str, int], Function] = {}
@@ -102,9 +103,11 @@ def hooked_functions() -> dict[tuple[str, int], Function]:
             # register(fn): a function the guard hands the user (a pipeline's loss_fn)
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and (
                     (call.func.id in ("hook", "wrap_loss", "wrap_step") and len(call.args) >= 2)
+                    or (call.func.id == "wrap_call" and len(call.args) == 3)
                     or (call.func.id == "register" and len(call.args) == 1))):
                 continue
-            arg, scope = call.args[-1 if call.func.id == "register" else 1], parents[call]
+            arg, scope = call.args[-1 if call.func.id in ("register", "wrap_call") else 1], \
+                parents[call]
             while not isinstance(scope, ast.ClassDef | ast.Module):
                 scope = parents[scope]
             factory = isinstance(arg, ast.Call)
@@ -159,11 +162,11 @@ def test_the_state_scan_sees_every_state() -> None:
 def test_no_host_read_in_any_function_registered_as_a_hook() -> None:
     fns = hooked_functions()
     # The sites as they are: the probe's six, the clock's three, the inputs kept for a re-run,
-    # the localiser's per-module hook and the mask a detach can leave.
+    # the localiser's per-module hook, the mask a detach can leave and the clip's total norm.
     names = {f.name for f in fns.values()}
     assert {"_model_pre", "_model_post", "_embedding_pre", "_head_pre", "_head_post",
             "_hidden_post", "_optimizer_pre", "_forward_start", "_forward_end", "_keep",
-            "hook", "mask", "at_loss"} <= names
+            "hook", "mask", "at_loss", "total_norm"} <= names
     hits = {f"{Path(file).relative_to(GUARD)}:{fn.name}": calls_in(fn)
             for (file, _), fn in fns.items() if calls_in(fn)}
     assert hits == {}
