@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from guard.vocab.safetensors_header import Tensor, read_tensor
-from guard.vocab.safetensors_rows import DTYPES, blocks, norms
-from guard.vocab.untrained_rules import (
+from guard.checkpoint.safetensors_header import Tensor, read_tensor
+from guard.checkpoint.safetensors_rows import DTYPES, blocks, norms
+from guard.checkpoint.untrained_rules import (
     DUPLICATES,
     EPSILON,
     NORM_RATIO,

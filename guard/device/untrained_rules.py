@@ -1,5 +1,5 @@
 """Which rows of a weight look never trained, decided on the device at attach by the rules of
-guard/vocab/untrained_rules.py (ZERO, SMALL, SAME; the thresholds from the policy).
+guard/checkpoint/untrained_rules.py (ZERO, SMALL, SAME; the thresholds from the policy).
 
 Per row of the real vocab [0, real): its largest magnitude, its norm, whether it is finite and
 two fingerprints of its bits. O(rows x hidden) once, a block of rows at a time; under FSDP2
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import torch
 
+from guard.checkpoint.untrained_rules import SAME, SMALL, ZERO
 from guard.device.sharded import RowShard
 from guard.device.zero_rows import ZeroRows
-from guard.vocab.untrained_rules import SAME, SMALL, ZERO
 
 __all__ = ["classify", "row_features"]
 # Rows per block: a 1024 x 4096 block is 16 MiB in float32 and 32 MiB as int64 pieces.

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from guard.checkpoint.tokenizer_files import tokenizer_tokens
+from guard.checkpoint.untrained_rules import by_reason, id_list, reasons
 from guard.checks import untrained_rows
 from guard.device.masters import Masters
 from guard.device.reading import Reading
@@ -25,8 +27,6 @@ from guard.policy import Action, Policy
 from guard.stateful.state import Attaching, CheckState, Finding
 from guard.vocab.discover import weight_shape
 from guard.vocab.real import checkpoint_dir
-from guard.vocab.tokenizer_files import tokenizer_tokens
-from guard.vocab.untrained_rules import by_reason, id_list, reasons
 from guard_server.wire import IdKind
 
 __all__ = ["UntrainedRowsState", "token_names"]
