@@ -105,6 +105,10 @@ def test_the_folders_import_no_cycle() -> None:
     cycles = sorted(f for f in edges if reaches(f, f, set()))
     assert cycles == [], cycles
     assert "device" not in edges.get("vocab", set()) and "vocab" not in edges.get("policy", set())
+    # A weight's rows are read by the device code and the states, never the other way; the
+    # untrusted-file readers stand on the leaves alone (no torch: test_room.py).
+    assert not {"device", "step", "stateful", "policy"} & edges.get("weights", set())
+    assert edges.get("checkpoint", set()) <= {"constants", "errors", "quote"}
 
 
 def test_a_per_step_check_touches_the_documented_files() -> None:
