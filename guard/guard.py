@@ -17,7 +17,6 @@ from guard.arguments import check_arguments
 from guard.device.hooks import Handle, hook
 from guard.device.loss import LossShares
 from guard.device.probe import mask_hook
-from guard.device.sharded import register_sharded
 from guard.errors import AttachError, GuardViolation
 from guard.parts import Parts
 from guard.policy import Action, Policy
@@ -29,6 +28,7 @@ from guard.step.resume import Resumable
 from guard.vocab.resolve import resolve
 from guard.vocab.sizes import Audit
 from guard.vocab.stage import Stage, stage_heads, stage_of
+from guard.weights.sharded import register_sharded
 
 __all__ = ["Guard", "attach"]
 

@@ -14,11 +14,10 @@ from torch import nn
 from guard.device.compile import drop_compiled
 from guard.device.hooks import Handle
 from guard.device.loss import LossShares
-from guard.device.masters import Masters, lasting
 from guard.device.probe import Probe
-from guard.device.rows import vocab_weights
 from guard.policy import Policy
 from guard.stateful import Attaching, CheckState, attach_states
+from guard.stateful.lasting import lasting
 from guard.step.clock import StepClock, Steps
 from guard.step.episodes import Episodes
 from guard.step.reader import Names, Reader
@@ -27,6 +26,8 @@ from guard.step.verdict import Note, attach_verdict
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
 from guard.vocab.stage import Stage
+from guard.weights.masters import Masters
+from guard.weights.vocab import vocab_weights
 
 __all__ = ["Parts"]
 

@@ -1,5 +1,5 @@
 """untrained_rows: rows of the real vocabulary [0, real) that were never trained (the rules:
-guard/vocab/untrained_rules.py), and the input ids and labels that fall on them in a step. Its
+guard/checkpoint/untrained_rules.py), and the input ids and labels that fall on them in a step. Its
 state (guard/stateful/untrained_rows.py) finds the rows at attach, counts the ids with lookup
 tables on the device (guard/device/untrained_tables.py), repairs the rows and names the ids."""
 

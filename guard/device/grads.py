@@ -22,7 +22,7 @@ from guard.checks import grads, nonfinite
 from guard.device.flags import Flags
 from guard.device.ops import one_thread
 from guard.device.zero_grads import is_zero, owner, partition_grad, zero_group
-from guard.vocab.parallel import dtensor_of
+from guard.tensors import dtensor_of
 
 __all__ = ["GradNorms"]
 

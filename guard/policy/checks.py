@@ -116,9 +116,9 @@ class UntrainedRowsCheck(Section):
     # training). A base checkpoint fine-tuned with its instruct chat template uses them at step
     # 1, and stopping there (fail) asks for this very fix; warn leaves zero rows in training.
     action: Literal["repair", "fail", "warn", "off"] = "repair"
-    # The rules' thresholds (guard/vocab/untrained_rules.py), each default explained where it is
-    # defined (guard/constants.py, which `guard audit` reads too): every |value| of a row <=
-    # epsilon; a norm under norm_ratio x the median row's; at least `duplicates`
+    # The rules' thresholds (guard/checkpoint/untrained_rules.py), each default explained where
+    # it is defined (guard/constants.py, which `guard audit` reads too): every |value| of a row
+    # <= epsilon; a norm under norm_ratio x the median row's; at least `duplicates`
     # bitwise-identical rows.
     epsilon: float = Field(constants.EPSILON, ge=0.0, le=constants.MAX_EPSILON)
     norm_ratio: float = Field(constants.NORM_RATIO, gt=0.0, lt=1.0)

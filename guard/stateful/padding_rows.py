@@ -9,11 +9,12 @@ import logging
 from torch import nn
 
 from guard.checks import padding_rows
-from guard.device.masters import Masters
 from guard.device.reading import Reading
-from guard.device.rows import PaddingRows, unread_rows, vocab_weights
+from guard.device.rows import PaddingRows
 from guard.policy import Action
 from guard.stateful.state import Attaching, CheckState
+from guard.weights.masters import Masters
+from guard.weights.vocab import unread_rows, vocab_weights
 
 __all__ = ["PaddingRowsState", "suppress_padding_ids"]
 

@@ -1,5 +1,5 @@
 """The untrained_rows check's state: at attach the rows of the real vocab that were never
-trained are found on the device (guard/device/untrained_rules.py), read back once and named
+trained are found on the device (guard/weights/features.py), read back once and named
 (ids, tokens, the weights, whether they can learn); every step the ids that fall on them are
 counted on the device and, under `repair`, their rows repaired (guard/device/
 untrained_tables.py); at a violation, the ids used that no message named yet."""
@@ -13,20 +13,20 @@ from typing import Any
 
 import torch
 
+from guard.checkpoint.tokenizer_files import tokenizer_tokens
+from guard.checkpoint.untrained_rules import by_reason, id_list, reasons
 from guard.checks import untrained_rows
-from guard.device.masters import Masters
 from guard.device.reading import Reading
-from guard.device.rows import unread_rows, vocab_weights
-from guard.device.sharded import rows_of
-from guard.device.untrained_rules import classify, row_features
 from guard.device.untrained_tables import UntrainedTables, UntrainedWeight
-from guard.device.zero_rows import unreadable
 from guard.policy import Action, Policy
 from guard.stateful.state import Attaching, CheckState, Finding
 from guard.vocab.discover import weight_shape
 from guard.vocab.real import checkpoint_dir
-from guard.vocab.tokenizer_files import tokenizer_tokens
-from guard.vocab.untrained_rules import by_reason, id_list, reasons
+from guard.weights.features import classify, row_features
+from guard.weights.masters import Masters
+from guard.weights.rows import rows_of
+from guard.weights.vocab import unread_rows, vocab_weights
+from guard.weights.zero_rows import unreadable
 from guard_server.wire import IdKind
 
 __all__ = ["UntrainedRowsState", "token_names"]

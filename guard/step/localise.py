@@ -30,8 +30,8 @@ from torch.utils.hooks import RemovableHandle
 
 from guard.device.dtensors import local
 from guard.device.hooks import hook
-from guard.device.sharded import register_sharded
-from guard.vocab.parallel import dtensor_of
+from guard.tensors import dtensor_of
+from guard.weights.sharded import register_sharded
 
 __all__ = ["Finding", "Inputs", "Localiser", "RerunFailed", "any_nonfinite", "capture",
            "rerun"]

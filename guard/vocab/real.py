@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guard.checkpoint.tokenizer_files import tokenizer_vocab
 from guard.errors import AttachError, CheckpointError
 from guard.quote import quote
-from guard.vocab.tokenizer_files import tokenizer_vocab
 
 __all__ = ["GIVE_IT", "Real", "checkpoint_dir", "config_levels", "find_real"]
 

@@ -1,8 +1,9 @@
 """Static guard on the hot path: nothing the guard runs inside a hook reads a tensor to the host.
 
 Three scans, all of the code as it is (no list kept by hand):
-- every file under guard/device/, except the one read of a step boundary (`Flags._wait`) and
-  the host lists it turns into a Reading;
+- every file under guard/device/ and guard/weights/ (a weight's rows, read before each read),
+  except the one read of a step boundary (`Flags._wait`) and the host lists it turns into a
+  Reading;
 - what a stateful check's state runs in the hooks and before each read (guard/stateful/:
   `watches`, `count`, `end_step`, `check`), whatever the check;
 - every function registered through `guard.device.hooks.hook`, wherever it lives: each call
@@ -22,11 +23,13 @@ import torch
 
 import guard
 import guard.device
+import guard.weights
 from guard.device.hooks import registered
 from tests.conftest import batch, policy, tiny_gpt
 
 GUARD = Path(guard.__file__).parent
 DEVICE = Path(guard.device.__file__).parent
+WEIGHTS = Path(guard.weights.__file__).parent
 # .item() / .cpu() / .tolist() / .numpy() and bool(x) / float(x) / int(x) on a non-literal.
 READS = {"item", "cpu", "tolist", "numpy"}
 CASTS = {"bool", "float", "int"}
@@ -133,7 +136,8 @@ def test_the_folder_holds_the_hook_code() -> None:
     assert {"ops.py", "flags.py", "probe.py", "loss.py", "logits.py", "hooks.py"} <= names
 
 
-@pytest.mark.parametrize("path", sorted(DEVICE.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*DEVICE.glob("*.py"), *WEIGHTS.glob("*.py")]),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_host_read_in_device_code(path: Path) -> None:
     hits = [(fn, line, call) for fn, line, call in host_reads(path)
             if (path.name, fn) not in ALLOWED]

@@ -1,5 +1,5 @@
 """The untrained_rows rules read from a .safetensors file (`guard audit`): the same three rules
-and thresholds as guard.attach on the device (guard/device/untrained_rules.py), with numpy on
+and thresholds as guard.attach on the device (guard/weights/features.py), with numpy on
 the host, every row of the real vocab [0, real) once, a few MiB of rows per read.
 
 Per row: its largest magnitude and its norm (float64), whether it is finite, and a digest of
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from guard.vocab.safetensors_header import Tensor, read_tensor
-from guard.vocab.safetensors_rows import DTYPES, blocks, norms
-from guard.vocab.untrained_rules import (
+from guard.checkpoint.safetensors_header import Tensor, read_tensor
+from guard.checkpoint.safetensors_rows import DTYPES, blocks, norms
+from guard.checkpoint.untrained_rules import (
     DUPLICATES,
     EPSILON,
     NORM_RATIO,

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import guard
-from guard.device.sharded import RowShard
 from guard.errors import AttachError
+from guard.weights.sharded import RowShard
 from tests.conftest import policy
 from tests.integrations.nanogpt import nanogpt
 

@@ -1,4 +1,4 @@
-"""A repair that lasts (guard/device/masters.py): the optimizer's moments of the repaired rows
+"""A repair that lasts (guard/weights/masters.py): the optimizer's moments of the repaired rows
 are zeroed, and where the optimizer steps copies of the weights the guard cannot reach, attach
 says so and the repair warns instead of being undone at the next update. The DeepSpeed copies
 are tested on real ZeRO-1/2/3 (tests/integrations/test_deepspeed.py)."""

@@ -1,6 +1,6 @@
 """The rules of the untrained_rows check, where a row of the real vocab counts as never trained,
 and how a message names what they found. One definition for guard.attach (on the device:
-guard/device/untrained_rules.py) and `guard audit` (guard/vocab/safetensors_untrained.py); the
+guard/weights/features.py) and `guard audit` (guard/checkpoint/safetensors_untrained.py); the
 thresholds' defaults, with where each comes from: guard/constants.py (the policy's too). Pure
 Python: `guard audit` imports it without torch and without the server's wire.
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guard.checkpoint.files import opened
+from guard.checkpoint.read_limits import ENV, limits
 from guard.errors import CheckpointError
-from guard.vocab.files import opened
-from guard.vocab.read_limits import ENV, limits
 
 __all__ = ["Tensor", "read_tensor", "read_tensors", "safetensors_shapes"]
 

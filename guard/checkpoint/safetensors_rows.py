@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from guard.checkpoint.files import opened
+from guard.checkpoint.read_limits import ENV, limits
+from guard.checkpoint.safetensors_header import Tensor, read_tensor
 from guard.errors import CheckpointError
-from guard.vocab.files import opened
-from guard.vocab.read_limits import ENV, limits
-from guard.vocab.safetensors_header import Tensor, read_tensor
 
 __all__ = ["DTYPES", "Block", "RowStats", "blocks", "norms", "row_stats"]
 

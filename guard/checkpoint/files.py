@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from guard.checkpoint.read_limits import ENV, limits
 from guard.errors import CheckpointError
-from guard.vocab.read_limits import ENV, limits
 
 __all__ = ["load_json", "opened", "read_bytes"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from guard.checkpoint.tokenizer_files import load_json, tokenizer_vocab
 from guard.errors import CheckpointError
-from guard.vocab.tokenizer_files import load_json, tokenizer_vocab
 
 
 def test_fast_tokenizer_json_counts_the_model_and_its_added_tokens(tmp_path: Path) -> None:

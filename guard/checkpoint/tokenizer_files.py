@@ -1,7 +1,7 @@
 """The real vocab of a saved tokenizer, from its files: tokenizer.json (read by the tokenizers
 library, as transformers loads it), else vocab.json / added_tokens.json, else a sentencepiece
 tokenizer.model; plus tokenizer_config.json's added_tokens_decoder. Every file through one
-bounded reader (guard/vocab/files.py); every problem a CheckpointError naming the file and
+bounded reader (guard/checkpoint/files.py); every problem a CheckpointError naming the file and
 the key."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from guard.checkpoint.files import load_json, read_bytes
+from guard.checkpoint.sentencepiece_model import sentencepiece_size
 from guard.constants import MAX_IDS
 from guard.errors import CheckpointError
 from guard.quote import quote
-from guard.vocab.files import load_json, read_bytes
-from guard.vocab.sentencepiece_model import sentencepiece_size
 
 __all__ = ["load_json", "tokenizer_tokens", "tokenizer_vocab"]
 

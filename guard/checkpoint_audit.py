@@ -3,7 +3,7 @@
 Sizes come from config.json, the tokenizer files (tokenizer.json, else vocab.json /
 added_tokens.json, else a sentencepiece tokenizer.model) and the safetensors headers; the
 files whose rows are read are validated by the safetensors library. The directory is
-untrusted input: every file is read within a bound (guard/vocab/files.py), and names from it
+untrusted input: every file is read within a bound (guard/checkpoint/files.py), and names from it
 are printed escaped. The same `audit_sizes` rule as `guard.attach` decides.
 """
 
@@ -14,15 +14,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from guard.checkpoint.files import load_json
+from guard.checkpoint.safetensors_header import Tensor, read_tensors, safetensors_shapes
+from guard.checkpoint.safetensors_rows import RowStats, row_stats
+from guard.checkpoint.safetensors_untrained import UntrainedStats, untrained_stats
+from guard.checkpoint.tokenizer_files import tokenizer_tokens, tokenizer_vocab
 from guard.errors import CheckpointError
 from guard.quote import quote, shown
-from guard.vocab.files import load_json
 from guard.vocab.names import HEAD_NAMES, NESTED_HEADS
-from guard.vocab.safetensors_header import Tensor, read_tensors, safetensors_shapes
-from guard.vocab.safetensors_rows import RowStats, row_stats
-from guard.vocab.safetensors_untrained import UntrainedStats, untrained_stats
 from guard.vocab.sizes import Audit, audit_sizes
-from guard.vocab.tokenizer_files import tokenizer_tokens, tokenizer_vocab
 
 __all__ = ["CheckpointAudit", "TensorInfo", "audit_checkpoint", "safetensors_shapes"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from guard.checkpoint.files import read_bytes
 from guard.errors import CheckpointError
-from guard.vocab.files import read_bytes
 
 __all__ = ["sentencepiece_size"]
 

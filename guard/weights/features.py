@@ -1,26 +1,21 @@
 """Which rows of a weight look never trained, decided on the device at attach by the rules of
-guard/vocab/untrained_rules.py (ZERO, SMALL, SAME; the thresholds from the policy).
+guard/checkpoint/untrained_rules.py (ZERO, SMALL, SAME; the thresholds from the policy).
 
 Per row of the real vocab [0, real): its largest magnitude, its norm, whether it is finite and
 two fingerprints of its bits. O(rows x hidden) once, a block of rows at a time; under FSDP2
 each rank fills the rows it holds and one all-reduce (SUM) gives every rank all of them, so
 every rank decides alike; under DeepSpeed ZeRO-3 every rank gathers one block of rows at a time
-(guard/device/zero_rows.py) and computes them all.
+(guard/weights/zero_rows.py) and computes them all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
-from guard.device.sharded import RowShard
-from guard.device.zero_rows import ZeroRows
-from guard.vocab.untrained_rules import SAME, SMALL, ZERO
+from guard.checkpoint.untrained_rules import SAME, SMALL, ZERO
+from guard.weights.rows import Rows
 
 __all__ = ["classify", "row_features"]
-# Rows per block: a 1024 x 4096 block is 16 MiB in float32 and 32 MiB as int64 pieces.
-_BLOCK = 1024
 # Fingerprint weights below 2**24: a piece (< 2**16) times a weight stays under 2**40, and a
 # row's sum of up to 2**20 pieces under 2**60, so int64 never overflows and the fingerprint is
 # exact whatever the order of the sum (a float sum may differ between two blocks' shapes).
@@ -33,17 +28,7 @@ def _pieces(block: torch.Tensor) -> torch.Tensor:
     return block.contiguous().view(wide).to(torch.int64)
 
 
-def _blocks(shard: RowShard | ZeroRows, real: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first row, (b, d) rows) of rows [0, real): those held here, or ZeRO-3's gathered."""
-    if isinstance(shard, ZeroRows):
-        yield from shard.blocks(real)
-        return
-    held = shard.rows_below(real).detach()  # (k, d): the rows held here
-    for i in range(0, held.shape[0], _BLOCK):
-        yield shard.first + i, held[i : i + _BLOCK]
-
-
-def row_features(shard: RowShard | ZeroRows, real: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_features(shard: Rows, real: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [0, real) of the whole weight: (real, 3) float64 (max |value|, norm, finite) and
     (real, 2) int64 fingerprints of their bits; collective when sharded (every rank calls)."""
     device = shard.local().device
@@ -53,7 +38,7 @@ def row_features(shard: RowShard | ZeroRows, real: int) -> tuple[torch.Tensor, t
     packed = torch.zeros(real, 5, dtype=torch.int64, device=device)
     features, prints = packed[:, :3].view(torch.float64), packed[:, 3:]
     weights = None
-    for first, block in _blocks(shard, real):
+    for first, block in shard.blocks(real):  # held here, or ZeRO-3's gathered
         if weights is None:
             seed = torch.Generator().manual_seed(21)  # the same weights on every rank
             weights = torch.randint(1, 1 << _WEIGHT_BITS, (2, _pieces(block[:1]).shape[1]),
@@ -67,8 +52,7 @@ def row_features(shard: RowShard | ZeroRows, real: int) -> tuple[torch.Tensor, t
             bits = _pieces(block)  # (b, m)
             for j in range(2):
                 prints[at, j] = (bits * weights[j]).sum(dim=1)
-    if isinstance(shard, RowShard):  # ZeRO-3's blocks were gathered: every rank has all
-        shard.all_reduce(packed)
+    shard.whole(packed)  # sharded rows summed over ranks; ZeRO-3's blocks were gathered
     return features, prints
 
 

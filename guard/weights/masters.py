@@ -18,19 +18,14 @@ guard can follow) is `unreachable`: attach says so and the repair falls back to 
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from guard.device.zero_rows import ZeroRows, is_partitioned
-from guard.policy import Action, Policy
-from guard.vocab.parallel import dtensor_of
+from guard.weights.rows import holding_of
+from guard.weights.zero_rows import ZeroRows
 
-__all__ = ["Masters", "lasting"]
-
-log = logging.getLogger("guard")
+__all__ = ["Masters"]
 
 
 def _zeroed(moments: dict[str, Any], like: torch.Tensor) -> list[torch.Tensor]:
@@ -52,8 +47,8 @@ class Masters:
 
     def unreachable(self, weight: torch.Tensor) -> str | None:
         """Why a repair of `weight` would not last (None: it does)."""
-        if self.optimizer is None or is_partitioned(weight) or hasattr(weight, "_hp_mapping") \
-                or dtensor_of(weight) is not None:  # FSDP2's DTensor: the shard is the weight
+        # ZeRO's copies are reached through DeepSpeed; FSDP2's DTensor: the shard is the weight.
+        if self.optimizer is None or holding_of(weight) != "plain":
             return None
         if any(p is weight for g in self.optimizer.param_groups for p in g["params"]):
             return None
@@ -66,11 +61,12 @@ class Masters:
         ZeRO-3 partition) where `ok` holds (a 0-dim bool on the device; None: they were): the
         same values into the master copy, their moments zeroed."""
         with torch.no_grad():
-            if is_partitioned(weight):
+            held = holding_of(weight)
+            if held == "zero3":
                 self._zero3(weight, first, end, ok)
-            elif hasattr(weight, "_hp_mapping"):
+            elif held == "zero12":
                 self._zero12(weight, first, end, ok)
-            elif self.optimizer is not None and dtensor_of(weight) is None:
+            elif self.optimizer is not None and held == "plain":
                 state = self.optimizer.state.get(weight, {})
                 for m in _zeroed(state, weight):
                     _put(m[first:end], 0.0, ok)
@@ -107,27 +103,3 @@ class Masters:
                                                          optim_state_key=key)
             for p in rows.pieces(moment, first, end):
                 _put(p.t, 0.0, ok)
-
-
-def lasting(policy: Policy, weights: Sequence[tuple[str, torch.Tensor]],
-            masters: Masters) -> Policy:
-    """`policy` with every `repair` that would not last turned into `warn`, said once at
-    attach: where the optimizer keeps a copy of a weight the guard cannot reach, a repair
-    written to the weight would be undone at the next update, silently. The checks still
-    measure and report; the padding columns stay masked where `padding_mass` masks them."""
-    why = [(name, reason) for name, w in weights if (reason := masters.unreachable(w))]
-    repairing = policy.acting(Action.REPAIR)
-    if not why or not repairing:
-        return policy
-    what = "; ".join(f"{name}: {reason}" for name, reason in why)
-    mask = ("the padding columns stay masked (padding_mass: mask)" if policy.masks else
-            "nothing keeps the padding columns out of the loss (padding_mass is not mask)")
-    log.warning("guard: %s cannot repair in place: %s. A repair written to the weights would "
-                "be undone at the next update, so %s warn instead (action: warn), and %s. "
-                "Pass the optimizer that updates the weights themselves, or DeepSpeed's own "
-                "(optimizer=engine.optimizer)", " and ".join(repairing), what,
-                "they" if len(repairing) > 1 else "it", mask)
-    checks = policy.checks.model_copy(update={
-        c: getattr(policy.checks, c).model_copy(update={"action": Action.WARN})
-        for c in repairing})
-    return policy.model_copy(update={"checks": checks})

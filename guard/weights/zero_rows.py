@@ -7,12 +7,12 @@ combined with one all-reduce (SUM): per-row squares (a (rows,) vector), column s
 width), or a bounded block of rows gathered for the attach-time features. Nothing gathers a
 whole weight; every rank of the group calls each read, whether it holds any of the rows or not
 (a rank that skipped one would hang the others). Writes go to the elements this rank holds, in
-the partition the next forward gathers and, through guard/device/masters.py, in the fp32 copy
+the partition the next forward gathers and, through guard/weights/masters.py, in the fp32 copy
 the optimizer updates."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +156,21 @@ class ZeroRows:
             rows = self.weight.data.view(self.rows, self.width)[first:end]
             new = value.to(rows.dtype).expand_as(rows)
             rows.copy_(new if ok is None else torch.where(ok.to(rows.device), new, rows))
+
+    def whole(self, t: torch.Tensor) -> None:
+        """Nothing: `blocks` gathered every row on every rank already."""
+
+    def norm_from(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The largest norm and the count of non-finite values of rows [first, rows) of the
+        whole weight: every rank calls it (the squares' all-reduce)."""
+        squares, nonfinite = self.row_squares(first, self.rows)
+        return squares.sqrt().amax(), nonfinite.sum()
+
+    def fill_ids(self, ids: Sequence[int], value: torch.Tensor, write: torch.Tensor) -> None:
+        """The elements of rows `ids` held here set to `value` where `write` ((len(ids),)
+        bool, on the device) says."""
+        for j, i in enumerate(ids):
+            self.fill(i, i + 1, value, write[j])
 
     def _sum(self, t: torch.Tensor) -> None:
         if dist.is_initialized() and dist.get_world_size(group=self.group) > 1:

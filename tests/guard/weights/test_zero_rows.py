@@ -1,4 +1,4 @@
-"""Rows of a ZeRO-3 weight from its partitions (guard/device/zero_rows.py): each rank holds a
+"""Rows of a ZeRO-3 weight from its partitions (guard/weights/zero_rows.py): each rank holds a
 contiguous slice of the flattened weight, so a row may straddle two ranks. Here three slices of
 one weight, laid out as DeepSpeed lays them (`ds_tensor` elements [r * n, r * n + n), the last
 padded), are read one by one as each rank would, and what the ranks' all-reduce would add up
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from guard.device.zero_rows import ZeroRows, unreadable
+from guard.weights.zero_rows import ZeroRows, unreadable
 
 ROWS, D, RANKS = 10, 7, 3
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.guard.vocab.hostile import (
+from tests.guard.checkpoint.hostile import (
     BOUND_MIB,
     EMBEDDING,
     audit,
@@ -268,7 +268,7 @@ def test_attach_warns_and_goes_on_without_the_checkpoints_tokenizer(tmp_path: Pa
     import subprocess
     import sys
 
-    from tests.guard.vocab.hostile import HANG_S
+    from tests.guard.checkpoint.hostile import HANG_S
 
     d = tmp_path / "m"
     d.mkdir()
@@ -311,7 +311,7 @@ def test_whatever_goes_wrong_is_one_line_and_json(tmp_path: Path, monkeypatch: p
     def broken(*args: object, **kwargs: object) -> None:
         raise RecursionError("maximum recursion depth exceeded\n  File forged")
 
-    monkeypatch.setattr("guard.vocab.checkpoint.audit_checkpoint", broken)
+    monkeypatch.setattr("guard.checkpoint_audit.audit_checkpoint", broken)
     assert main(["audit", str(tmp_path), "--json"]) == 2
     out, err = capsys.readouterr()
     assert json.loads(out)["error"]["file"] == str(tmp_path)

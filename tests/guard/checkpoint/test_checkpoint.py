@@ -1,4 +1,4 @@
-"""guard.checkpoint: the vocab audit of model directories written by save_pretrained."""
+"""guard.checkpoint_audit: the vocab audit of model directories written by save_pretrained."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from guard.checkpoint_audit import audit_checkpoint, safetensors_shapes
 from guard.errors import CheckpointError
-from guard.vocab.checkpoint import audit_checkpoint, safetensors_shapes
 
 
 def write_model(d: Path, rows: int, *, real: int | None = None, tie: bool = True,
@@ -111,7 +111,7 @@ def test_sharded_checkpoint_reads_only_the_shards_it_needs(
     index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
     read: list[str] = []
     real_reader = safetensors_shapes
-    monkeypatch.setattr("guard.vocab.checkpoint.safetensors_shapes",
+    monkeypatch.setattr("guard.checkpoint_audit.safetensors_shapes",
                         lambda p: read.append(p.name) or real_reader(p))
     a = audit_checkpoint(d)
     assert a.ok and a.embedding.file == index["transformer.wte.weight"]

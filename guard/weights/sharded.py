@@ -5,6 +5,7 @@ at attach and a repair's mean row cost one all-reduce each."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -12,15 +13,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from guard.device.zero_rows import ZeroRows, is_partitioned
 from guard.errors import AttachError
-from guard.vocab.parallel import dtensor_of, held_block, on_rows
+from guard.tensors import dtensor_of
+from guard.vocab.parallel import held_block, on_rows
 
-__all__ = ["RowShard", "register_sharded", "rows_of"]
+__all__ = ["RowShard", "register_sharded"]
 
 # Rows per block where a whole weight would otherwise be copied to float32 at once (a 128k x
 # 4096 embedding is 2 GiB in float32): 4096 x 4096 is 64 MiB.
 _BLOCK = 4096
+# Rows per block handed out by `blocks` (the untrained rows' features: 1024 x 4096 is 16 MiB
+# in float32 and 32 MiB as int64 pieces).
+_FEATURE_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -130,12 +134,47 @@ class RowShard:
         self.all_reduce(largest, dist.ReduceOp.MAX)
         return largest
 
+    def blocks(self, end: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row of the whole weight, (b, d) rows) of rows [0, end) held here, a block at
+        a time; no collective (`whole` combines what each rank makes of them)."""
+        held = self.rows_below(end).detach()  # (k, d): the rows held here
+        for i in range(0, held.shape[0], _FEATURE_BLOCK):
+            yield self.first + i, held[i : i + _FEATURE_BLOCK]
 
-def rows_of(weight: torch.Tensor, name: str, check: str = "padding_rows") -> RowShard | ZeroRows:
-    """The rows of `weight` this rank holds, as they are now: a ZeRO-3 partition (slices of
-    the flattened weight, guard/device/zero_rows.py), else a RowShard. Taken at each use, since
-    deepspeed.initialize may partition a weight after the guard attached."""
-    return ZeroRows(weight) if is_partitioned(weight) else RowShard.of(weight, name, check)
+    def whole(self, t: torch.Tensor) -> None:
+        """`t`, per row of the whole weight and filled from `blocks` (0 on the rows other ranks
+        hold), summed over the ranks that hold them, in place: a collective when sharded."""
+        self.all_reduce(t)
+
+    def norm_from(self, first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The largest norm and the count of non-finite values of rows [first, rows) held here,
+        None where this rank holds none of them (the other ranks report; the read's
+        all-reduce (MAX) combines them). No collective."""
+        rows = self.rows_from(first).float()  # (rows held here from first, d)
+        if rows.shape[0] == 0:
+            return None
+        return rows.norm(dim=-1).amax(), torch.isfinite(rows).logical_not().sum()
+
+    def fill(self, first: int, end: int, value: torch.Tensor,
+             ok: torch.Tensor | None = None) -> None:
+        """Rows [first, end) held here set to `value` ((d,), or a scalar for a bias) where `ok`
+        (0-dim bool, on the device) holds: a device select, no host read."""
+        rows = self.local()[self._held(first) : self._held(end)]
+        new = value.to(rows.dtype).expand_as(rows)
+        rows.copy_(new if ok is None else torch.where(ok, new, rows))
+
+    def fill_ids(self, ids: Sequence[int], value: torch.Tensor, write: torch.Tensor) -> None:
+        """The rows `ids` held here (all of them, unless FSDP2 shards them) set to `value` where
+        `write` ((len(ids),) bool, on the device) says."""
+        local = self.local()
+        here = [j for j, i in enumerate(ids) if self.first <= i < self.first + self.count]
+        if here:
+            at = torch.tensor(here, device=local.device)
+            rows = torch.tensor([ids[j] - self.first for j in here], device=local.device)
+            fill = torch.where(write[at].unsqueeze(1).to(local.device),
+                               value.to(local.dtype).to(local.device),
+                               local.index_select(0, rows))
+            local.index_copy_(0, rows, fill)
 
 
 def register_sharded(model: nn.Module) -> None:

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from guard.device.sharded import RowShard
-from guard.device.untrained_rules import classify, row_features
+from guard.checkpoint.safetensors_untrained import untrained_stats
 from guard.policy import UntrainedRowsCheck
-from guard.vocab.safetensors_untrained import untrained_stats
+from guard.weights.features import classify, row_features
+from guard.weights.sharded import RowShard
 
 RULES = UntrainedRowsCheck()
 ZERO_ROWS, TINY_ROWS, SMALL_ROWS, TWIN_ROWS = [3, 9], [4], [12], [20, 30, 31]

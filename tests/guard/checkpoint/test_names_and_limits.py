@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from guard.vocab import checkpoint, discover, names
-from guard.vocab.checkpoint import audit_checkpoint
-from tests.guard.vocab.test_checkpoint import write_model
+import guard.checkpoint_audit as checkpoint
+from guard.checkpoint_audit import audit_checkpoint
+from guard.vocab import discover, names
+from tests.guard.checkpoint.test_checkpoint import write_model
 
 
 def test_discovery_and_the_audit_share_one_table() -> None:
@@ -32,7 +33,7 @@ def test_the_audit_finds_a_top_level_head_under_any_of_the_names(tmp_path: Path,
 
 def test_the_read_limits_are_read_from_the_environment_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from guard.vocab.read_limits import limits
+    from guard.checkpoint.read_limits import limits
 
     limits.cache_clear()
     try:
