@@ -4,9 +4,10 @@ usage: python -m torch.distributed.run --nproc-per-node N ... pp_worker.py OUT_D
 
 MODE `pp2`: pp_models.GPT split in 2 stages (one per rank), trained by torch's own pipelining
 (`PipelineStage` and a schedule, 2 micro-batches) under each schedule (`gpipe`, `1f1b`), every
-case of CASES; `pp3`: 3 stages, the cases of CASES3. Every rank attaches to its
-`PipelineStage`; the last stage wraps the schedule's loss with `g.loss_fn`. Each rank writes
-OUT_DIR/rank<N>.json: per schedule, per case, what the guard did on this rank.
+case of CASES; `tie`: the embedding and the head tied copies on the two stages (GPipe).
+Every rank attaches to its `PipelineStage`; the last stage wraps the schedule's loss with
+`g.loss_fn`. Each rank writes OUT_DIR/rank<N>.json: per schedule, per case, what the guard
+did on this rank.
 """
 
 from __future__ import annotations
@@ -152,6 +153,59 @@ CASES: dict[str, Callable[[str], dict[str, Any]]] = {
     "healthy": healthy, "garbage": garbage, "mask": mask, "ghost": ghost}
 
 
+def tied_pipe(schedule: str, model: pm.GPT, policy: dict[str, Any]) -> Pipe:
+    """The embedding and the head tied copies on the first and the last stage, their
+    gradients summed before each update (Megatron's embedding group all-reduce)."""
+    pipe = Pipe(schedule, model, policy, tied_across_stages=True)
+    m = pipe.module
+    copy = m.tok_embeddings if m.tok_embeddings is not None else m.output
+    assert copy is not None
+
+    def sync() -> None:
+        dist.all_reduce(copy.weight.grad)
+
+    pipe.before_update = sync
+    return pipe
+
+
+def tied(schedule: str) -> dict[str, Any]:
+    """Tied copies kept in step: quiet; one copy written between steps 1 and 2 (rows 5 and
+    700 of the head): every stage stops at step 2's read, before the update; one copy loaded
+    apart before attach: attach stops."""
+    out: dict[str, Any] = {}
+    with logged() as lines:
+        pipe = tied_pipe(schedule, pm.build(tied=True), DEFAULT)
+        with pipe.guard as g:
+            for n in range(1, STEPS + 1):
+                pipe.step(n)
+        out["healthy"] = {"violations": g.stats["violations"], "logged": lines}
+    pipe = tied_pipe(schedule, pm.build(tied=True), DEFAULT)
+    head = pipe.module.output
+    out["drift"] = {"raised_at": None}
+    with pipe.guard:
+        for n in range(1, STEPS + 1):
+            if n == 2 and head is not None:
+                with torch.no_grad():
+                    head.weight[[5, 700], 3] += 1e-3
+            before = pipe.weights()
+            try:
+                pipe.step(n)
+            except guard.GuardViolation as e:
+                out["drift"].update(raised_at=n, violation=violation(e),
+                                    unchanged=pipe.unchanged(before))
+                break
+    model = pm.build(tied=True)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        assert model.output is not None
+        with torch.no_grad():
+            model.output.weight[999] *= 2.0  # a resume that loaded this copy only
+    try:
+        tied_pipe(schedule, model, DEFAULT)
+    except guard.GuardViolation as e:
+        out["at_attach"] = violation(e)
+    return out
+
+
 def recorded(case: Callable[[str], dict[str, Any]], schedule: str) -> dict[str, Any]:
     """The case's results, or the error it raised (the test then fails on that case alone,
     unless the error left another rank waiting in a collective: the launch's timeout)."""
@@ -163,8 +217,10 @@ def recorded(case: Callable[[str], dict[str, Any]], schedule: str) -> dict[str, 
 
 def main(out: Path, mode: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    result = {schedule: {name: recorded(case, schedule) for name, case in CASES.items()}
-              for schedule in ("gpipe", "1f1b")}
+    cases, schedules = {"pp2": (CASES, ("gpipe", "1f1b")),
+                        "tie": ({"tied": tied}, ("gpipe",))}[mode]
+    result = {schedule: {name: recorded(case, schedule) for name, case in cases.items()}
+              for schedule in schedules}
     finish(out, dist.get_rank(), result)
 
 

@@ -96,3 +96,29 @@ def test_a_ghost_input_id_on_the_first_stage_stops_every_stage(pp2: list[dict[st
         assert v["message"].startswith("token_range on rank 0 at step 2: 1 input ids")
         assert f"input ids {REAL + 3} at [1, 2]" in v["message"]
     assert first["out_of_range"] == {"input": 1, "label": 0}
+
+
+@pytest.fixture(scope="module")
+def tie(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(tmp_path_factory.mktemp("tie"), "tie", 2)
+
+
+@pytest.mark.slow
+@DIST
+def test_tied_copies_on_two_stages_are_checked(tie: list[dict[str, Any]]) -> None:
+    both = ("tok_embeddings.weight on pipeline stage 0 of 2 (the embedding), rank 0, and "
+            "output.weight on pipeline stage 1 of 2 (the head), rank 1, differ in")
+    for res in cases(tie, "gpipe", "tied"):
+        # Kept in step by the gradient all-reduce: quiet.
+        assert res["healthy"] == {"violations": {}, "logged": []}
+        # One copy written between steps 1 and 2: named at step 2's read, every stage
+        # stopped before its update.
+        drift = res["drift"]
+        assert drift["raised_at"] == 2 and drift["unchanged"]
+        v = drift["violation"]
+        assert (v["check"], v["step"]) == ("vocab", 2)
+        assert f"{both} 2 rows (ids 5, 700)" in v["message"]
+        # One copy loaded apart before attach: attach stops on every stage.
+        v = res["at_attach"]
+        assert (v["check"], v["step"]) == ("vocab", 0)
+        assert f"{both} 1 row (ids 999)" in v["message"]
