@@ -4,7 +4,8 @@ usage: python -m torch.distributed.run --nproc-per-node N ... pp_worker.py OUT_D
 
 MODE `pp2`: pp_models.GPT split in 2 stages (one per rank), trained by torch's own pipelining
 (`PipelineStage` and a schedule, 2 micro-batches) under each schedule (`gpipe`, `1f1b`), every
-case of CASES; `tie`: the embedding and the head tied copies on the two stages (GPipe).
+case of CASES; `tie`: the embedding and the head tied copies on the two stages (GPipe);
+`pp3`: 3 stages (GPipe), a NaN born in the middle stage's backward.
 Every rank attaches to its `PipelineStage`; the last stage wraps the schedule's loss with
 `g.loss_fn`. Each rank writes OUT_DIR/rank<N>.json: per schedule, per case, what the guard
 did on this rank.
@@ -153,6 +154,40 @@ CASES: dict[str, Callable[[str], dict[str, Any]]] = {
     "healthy": healthy, "garbage": garbage, "mask": mask, "ghost": ghost}
 
 
+def nan_middle(schedule: str) -> dict[str, Any]:
+    """3 stages: at step 2 a NaN is born in the backward of the middle stage's MLP (its
+    forward finite); every stage stops before its update, the middle stage's parameter
+    named."""
+    from tests.guard.test_backward_nan import NaNBackward
+
+    out: dict[str, Any] = {}
+    with logged() as lines:
+        pipe = Pipe(schedule, pm.build(), DEFAULT)
+        with pipe.guard as g:
+            for n in range(1, STEPS + 1):
+                pipe.step(n)
+        out["healthy"] = {"violations": g.stats["violations"], "logged": lines}
+    pipe = Pipe(schedule, pm.build(), DEFAULT)
+    now = {"step": 0}
+    if dist.get_rank() == 1:
+        def fault(module: Any, args: Any, y: torch.Tensor) -> Any:
+            return NaNBackward.apply(y) if now["step"] == 2 else None
+
+        pipe.module.layers["1"].mlp.register_forward_hook(fault)
+    out["nan"] = {"raised_at": None}
+    with pipe.guard:
+        for n in range(1, STEPS + 1):
+            now["step"] = n
+            before = pipe.weights()
+            try:
+                pipe.step(n)
+            except guard.GuardViolation as e:
+                out["nan"].update(raised_at=n, violation=violation(e),
+                                  unchanged=pipe.unchanged(before))
+                break
+    return out
+
+
 def tied_pipe(schedule: str, model: pm.GPT, policy: dict[str, Any]) -> Pipe:
     """The embedding and the head tied copies on the first and the last stage, their
     gradients summed before each update (Megatron's embedding group all-reduce)."""
@@ -218,7 +253,8 @@ def recorded(case: Callable[[str], dict[str, Any]], schedule: str) -> dict[str, 
 def main(out: Path, mode: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     cases, schedules = {"pp2": (CASES, ("gpipe", "1f1b")),
-                        "tie": ({"tied": tied}, ("gpipe",))}[mode]
+                        "tie": ({"tied": tied}, ("gpipe",)),
+                        "pp3": ({"nan_middle": nan_middle}, ("gpipe",))}[mode]
     result = {schedule: {name: recorded(case, schedule) for name, case in cases.items()}
               for schedule in schedules}
     finish(out, dist.get_rank(), result)

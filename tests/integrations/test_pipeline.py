@@ -122,3 +122,29 @@ def test_tied_copies_on_two_stages_are_checked(tie: list[dict[str, Any]]) -> Non
         v = res["at_attach"]
         assert (v["check"], v["step"]) == ("vocab", 0)
         assert f"{both} 1 row (ids 999)" in v["message"]
+
+
+@pytest.fixture(scope="module")
+def pp3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch(tmp_path_factory.mktemp("pp3"), "pp3", 3)
+
+
+@pytest.mark.slow
+@DIST
+def test_a_nan_born_in_a_middle_stage_backward_is_named_there(
+        pp3: list[dict[str, Any]]) -> None:
+    for res in cases(pp3, "gpipe", "nan_middle"):
+        # Three stages, the middle one holding neither end: quiet when healthy.
+        assert res["healthy"] == {"violations": {}, "logged": []}
+        nan = res["nan"]
+        assert nan["raised_at"] == 2 and nan["unchanged"]  # every stage, before its update
+        v = nan["violation"]
+        assert (v["check"], v["step"]) == ("nonfinite", 2)
+        # Named first: the middle stage's parameter latest in its forward (the MLP's output
+        # Linear), then the rest of that stage's and the first stage's; the last stage's
+        # gradients are finite.
+        assert ("so it was born in the backward: the gradients of layers.1.mlp.2.bias, "
+                "layers.1.mlp.2.weight, layers.1.mlp.0.bias") in v["message"]
+        assert "born on pipeline stage 1 of 3 (neither end), the last stage whose" in \
+            v["message"]
+        assert "output.weight" not in v["message"]
