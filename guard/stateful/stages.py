@@ -31,13 +31,16 @@ def ids_of_every_stage(ids: list[int], stage: Stage | None) -> list[int]:
 
 
 def from_the_rank_that_fired(mine: str, reading: Reading, check: str, stage: Stage | None, *,
-                             reduce: bool) -> str:
+                             reduce: bool, every_rank: bool = False) -> str:
     """`mine` (this rank's words, the weights it read), or on a pipeline stage the words of
-    the highest rank where `check` fired (the rank the message names)."""
+    the highest rank where `check` fired (the rank the message names); `every_rank`: every
+    rank's words, each once (each stage holds some of what fired)."""
     if not reduce or not _distributed(stage):
         return mine
     every: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
+    if every_rank:
+        return " and ".join(dict.fromkeys(w for w in every if w)) or mine
     rank = reading.fired_on(check)
     said = every[rank] if rank is not None and 0 <= rank < len(every) else None
     return said or mine

@@ -175,7 +175,8 @@ class UntrainedRowsState(CheckState):
         earlier, self._named = bool(self._named), self._named | set(ids)
         weights = [w for w in self.weights if set(w.ids) & set(ids)]
         where = from_the_rank_that_fired(" and ".join(w.weight.name for w in weights), reading,
-                                         self.check_name, self.stage, reduce=reduce)
+                                         self.check_name, self.stage, reduce=reduce,
+                                         every_rank=True)
         return (f"{'among them, first used now: ' if earlier else ''}"
                 f"{'id' if len(ids) == 1 else 'ids'} {id_list(ids, self.tokens)} (untrained in "
                 f"{where}){self._frozen(weights)}")

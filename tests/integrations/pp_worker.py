@@ -4,7 +4,8 @@ usage: python -m torch.distributed.run --nproc-per-node N ... pp_worker.py OUT_D
 
 MODE `pp2`: pp_models.GPT split in 2 stages (one per rank), trained by torch's own pipelining
 (`PipelineStage` and a schedule, 2 micro-batches) under each schedule (`gpipe`, `1f1b`), every
-case of CASES; `tie`: the embedding and the head tied copies on the two stages (GPipe);
+case of CASES; `tie`: the embedding and the head tied copies on the two stages, and untrained
+rows on each (GPipe);
 `pp3`: 3 stages (GPipe), a NaN born in the middle stage's backward.
 Every rank attaches to its `PipelineStage`; the last stage wraps the schedule's loss with
 `g.loss_fn`. Each rank writes OUT_DIR/rank<N>.json: per schedule, per case, what the guard
@@ -55,10 +56,13 @@ class Pipe:
         self.schedule = kind(self.stage, n_microbatches=MICRO, loss_fn=loss)
         self.before_update: Callable[[], None] = lambda: None
 
-    def step(self, n: int, *, ghost: bool = False) -> float | None:
+    def step(self, n: int, *, ghost: bool = False,
+             at: dict[tuple[int, int], tuple[int, int]] | None = None) -> float | None:
         """Step `n`: this rank's part of the schedule, then the update; the last stage's loss
-        (the micro-batches' mean)."""
+        (the micro-batches' mean). `at`: {position: (input id, label)} written in."""
         x, y = pm.batch(n, ghost=ghost)
+        for (i, j), (xi, yi) in (at or {}).items():
+            x[i, j], y[i, j] = xi, yi
         losses: list[torch.Tensor] = []
         if self.index == 0:
             self.schedule.step(x)
@@ -188,6 +192,28 @@ def nan_middle(schedule: str) -> dict[str, Any]:
     return out
 
 
+def untrained(schedule: str) -> dict[str, Any]:
+    """Rows 10 and 11 of the embedding and 600 of the head never trained (zero): input id 10
+    and label 600 at step 2 repair them on the stage that holds each, every stage at the
+    same read (the untrained ids one list on every stage)."""
+    model = pm.build()
+    assert model.tok_embeddings is not None and model.output is not None
+    with torch.no_grad():
+        model.tok_embeddings.weight[[10, 11]] = 0.0
+        model.output.weight[600] = 0.0
+    pipe = Pipe(schedule, model, DEFAULT)
+    m = pipe.module
+    with logged() as lines, pipe.guard as g:
+        for n in range(1, STEPS + 1):
+            pipe.step(n, at={(0, 0): (10, 600)} if n == 2 else None)
+    rows = {"embedding": m.tok_embeddings.weight[[10, 11]] if m.tok_embeddings else None,
+            "head": m.output.weight[[600]] if m.output else None}
+    said = [line for line in lines if line.startswith("untrained_rows on rank 1 at step 2")]
+    return {"violations": g.stats["violations"], "message": said[0] if said else None,
+            "repaired": {
+        k: [bool(r.abs().sum() > 0) for r in w] for k, w in rows.items() if w is not None}}
+
+
 def tied_pipe(schedule: str, model: pm.GPT, policy: dict[str, Any]) -> Pipe:
     """The embedding and the head tied copies on the first and the last stage, their
     gradients summed before each update (Megatron's embedding group all-reduce)."""
@@ -253,7 +279,7 @@ def recorded(case: Callable[[str], dict[str, Any]], schedule: str) -> dict[str, 
 def main(out: Path, mode: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     cases, schedules = {"pp2": (CASES, ("gpipe", "1f1b")),
-                        "tie": ({"tied": tied}, ("gpipe",)),
+                        "tie": ({"tied": tied, "untrained": untrained}, ("gpipe",)),
                         "pp3": ({"nan_middle": nan_middle}, ("gpipe",))}[mode]
     result = {schedule: {name: recorded(case, schedule) for name, case in cases.items()}
               for schedule in schedules}

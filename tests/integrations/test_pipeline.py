@@ -124,6 +124,21 @@ def test_tied_copies_on_two_stages_are_checked(tie: list[dict[str, Any]]) -> Non
         assert f"{both} 1 row (ids 999)" in v["message"]
 
 
+@pytest.mark.slow
+@DIST
+def test_untrained_rows_on_each_end_are_repaired_on_their_stage(
+        tie: list[dict[str, Any]]) -> None:
+    first, last = cases(tie, "gpipe", "untrained")
+    for res in (first, last):  # one decision: both stages repaired at the same read
+        assert res["violations"] == {"untrained_rows": {"repair": 1}}
+    # Input id 10 used: its embedding row repaired, 11 (unused) left; label 600: its head row.
+    assert first["repaired"] == {"embedding": [True, False]}
+    assert last["repaired"] == {"head": [True]}
+    assert first["message"] == last["message"]
+    assert "ids 10, 600 (untrained in tok_embeddings.weight and output.weight)" in \
+        first["message"]
+
+
 @pytest.fixture(scope="module")
 def pp3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return launch(tmp_path_factory.mktemp("pp3"), "pp3", 3)
