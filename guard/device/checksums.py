@@ -1,12 +1,12 @@
-"""Checksums of a weight's rows, exact integers computed on the device: two copies agree
-bitwise exactly when (barring a collision of odds 2**-31 per block) their checksums do. Each
-row's bits (its float values viewed as integers) are folded modulo a prime below 2**31 with a
-fixed odd multiplier per column, and the rows of a block summed with a multiplier per global
-row id, so that a swap of two values or two rows shows. Every intermediate stays below 2**63
-(int64, no wrap) for rows up to 2**17 values wide and blocks up to 2**17 rows.
+"""Checksums of a weight's rows, exact integers computed on the device: two copies agree bitwise
+exactly when (barring a collision of odds 2**-31 per block) their checksums do. Each row's bits (its
+float values viewed as integers, below 2**31 in magnitude) are summed with a fixed multiplier below
+2**15 per column and folded modulo a prime below 2**31, and the rows of a block summed with a
+multiplier per global row id, so that a swap of two values or two rows shows. Every intermediate
+stays below 2**63 (int64, no wrap) for rows up to 2**17 values wide and blocks up to 2**17 rows.
 
-Runs at a read of the flags (the tie check across pipeline stages, guard/stateful/
-tie_across.py): device ops only, in chunks of at most 2**22 values, never a host read.
+Runs at a read of the flags (the tie check across pipeline stages, guard/stateful/tie_across.py):
+device ops only, in chunks of at most 2**22 values, never a host read.
 """
 
 from __future__ import annotations
@@ -38,8 +38,11 @@ def row_checksums(w: torch.Tensor, first_id: int = 0) -> torch.Tensor:
     cols = torch.randint(1, _MULT, (width,), generator=g, dtype=torch.int64).to(w.device)
     out = torch.empty(rows, dtype=torch.int64, device=w.device)
     step = max(1, _CHUNK // max(width, 1))
+    wide = w.element_size() > 4  # 64-bit values: folded below 2**31 first
     for start in range(0, rows, step):
-        part = _bits(w[start:start + step]).reshape(-1, width) % PRIME
+        part = _bits(w[start:start + step]).reshape(-1, width)
+        if wide:
+            part = part % PRIME
         out[start:start + step] = (part * cols).sum(dim=1) % PRIME
     ids = torch.arange(first_id, first_id + rows, dtype=torch.int64, device=w.device)
     return out * (ids * 40_503 % (_MULT - 1) + 1) % PRIME

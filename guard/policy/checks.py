@@ -31,8 +31,10 @@ class VocabCheck(AttachCheck):
     on two pipeline stages compared every `tie_every` reads (a checksum of every row of both
     copies: a pass over the weight on two stages, docs/integrations.md)."""
 
-    # At least every 10,000 reads, as cadence.read_every: past it a drift acts hours late.
-    tie_every: int = Field(1, ge=1, le=10_000)
+    # Every 10 reads: a checksum pass over both copies costs about a forward of the head
+    # (docs/benchmarks.md), a tenth of it a step; a drift at attach is found there. At least
+    # every 10,000 reads, as cadence.read_every: past it a drift acts hours late.
+    tie_every: int = Field(10, ge=1, le=10_000)
 
 
 class PaddingMassCheck(Section):

@@ -240,7 +240,8 @@ def tied(schedule: str) -> dict[str, Any]:
             for n in range(1, STEPS + 1):
                 pipe.step(n)
         out["healthy"] = {"violations": g.stats["violations"], "logged": lines}
-    pipe = tied_pipe(schedule, pm.build(tied=True), DEFAULT)
+    every = with_checks(vocab={"tie_every": 1})  # the drift named at the next read
+    pipe = tied_pipe(schedule, pm.build(tied=True), every)
     head = pipe.module.output
     out["drift"] = {"raised_at": None}
     with pipe.guard:
