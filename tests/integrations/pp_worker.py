@@ -83,12 +83,15 @@ class Pipe:
                    for a, p in zip(before, self.module.parameters(), strict=True))
 
 
-def stopped(pipe: Pipe, steps: int = STEPS, **at: bool) -> dict[str, Any]:
+def stopped(pipe: Pipe, steps: int = STEPS, first: Callable[[int], None] = lambda n: None,
+            **at: bool) -> dict[str, Any]:
     """Steps until the guard stops one: the step it raised at, its violation, and whether
-    this rank's weights were left bitwise as they were before that step."""
+    this rank's weights were left bitwise as they were before that step. `first(n)` runs
+    before step n."""
     out: dict[str, Any] = {"raised_at": None}
     with pipe.guard:
         for n in range(1, steps + 1):
+            first(n)
             before = pipe.weights()
             try:
                 pipe.step(n, ghost=at.get("ghost", False) and n == 2)
@@ -178,17 +181,7 @@ def nan_middle(schedule: str) -> dict[str, Any]:
             return NaNBackward.apply(y) if now["step"] == 2 else None
 
         pipe.module.layers["1"].mlp.register_forward_hook(fault)
-    out["nan"] = {"raised_at": None}
-    with pipe.guard:
-        for n in range(1, STEPS + 1):
-            now["step"] = n
-            before = pipe.weights()
-            try:
-                pipe.step(n)
-            except guard.GuardViolation as e:
-                out["nan"].update(raised_at=n, violation=violation(e),
-                                  unchanged=pipe.unchanged(before))
-                break
+    out["nan"] = stopped(pipe, first=lambda n: now.update(step=n))
     return out
 
 
@@ -243,19 +236,13 @@ def tied(schedule: str) -> dict[str, Any]:
     every = with_checks(vocab={"tie_every": 1})  # the drift named at the next read
     pipe = tied_pipe(schedule, pm.build(tied=True), every)
     head = pipe.module.output
-    out["drift"] = {"raised_at": None}
-    with pipe.guard:
-        for n in range(1, STEPS + 1):
-            if n == 2 and head is not None:
-                with torch.no_grad():
-                    head.weight[[5, 700], 3] += 1e-3
-            before = pipe.weights()
-            try:
-                pipe.step(n)
-            except guard.GuardViolation as e:
-                out["drift"].update(raised_at=n, violation=violation(e),
-                                    unchanged=pipe.unchanged(before))
-                break
+
+    def write(n: int) -> None:  # one copy written between steps 1 and 2
+        if n == 2 and head is not None:
+            with torch.no_grad():
+                head.weight[[5, 700], 3] += 1e-3
+
+    out["drift"] = stopped(pipe, first=write)
     model = pm.build(tied=True)
     if dist.get_rank() == dist.get_world_size() - 1:
         assert model.output is not None
