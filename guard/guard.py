@@ -16,6 +16,7 @@ from torch import nn
 from guard.arguments import check_arguments
 from guard.device.hooks import Handle, hook
 from guard.device.loss import LossShares
+from guard.device.pipeline import quiet_inference
 from guard.device.probe import mask_hook
 from guard.errors import AttachError, GuardViolation
 from guard.parts import Parts
@@ -286,6 +287,8 @@ def attach(
                           tokenizer=tokenizer, scaled=scaler is not None and scaler.is_enabled(),
                           caller=a.caller, outer=a.outer, stage=stage))
     g._open(a.local_rank)
+    if model is not inner:  # torch's PipelineStage: its shape inference is no training step
+        g._parts.handles.append(quiet_inference(model, a.model, g._parts.probe))
     inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
     tp = sizes.tp
     shard = "" if tp is None else (f"; this rank's head columns are the ids [{tp.start}, "

@@ -55,14 +55,16 @@ class UntrainedTables:
     (guard/device/ids.py), `check` before each read, `repair` at a violation under `repair`."""
 
     def __init__(self, weights: Sequence[UntrainedWeight], flags: Flags,
-                 masters: Masters | None = None) -> None:
+                 masters: Masters | None = None, ids: Sequence[int] = ()) -> None:
         self.weights = list(weights)
         self.flags = flags
         self.masters = masters or Masters(None)  # a repair writes the optimizer's copy too
-        self.ids = sorted({i for w in weights for i in w.ids})  # every untrained id, once
+        # Every untrained id, once; `ids`: more of them, held by other ranks (the stages of a
+        # pipeline hold different weights, and `used` is combined over every rank).
+        self.ids = sorted({i for w in weights for i in w.ids} | set(ids))
         self.n = len(self.ids)
         place = {i: k for k, i in enumerate(self.ids)}
-        device = weights[0].shard.local().device
+        device = weights[0].shard.local().device if weights else flags.device  # a middle stage
         self.tables: dict[IdKind, torch.Tensor] = {}
         for w in weights:
             rows = weight_shape(w.weight.tensor)[0]

@@ -12,7 +12,9 @@ from guard.device.clip import tap
 from guard.device.grads import GradNorms
 from guard.device.hooks import Handle
 from guard.device.reading import Reading
+from guard.stateful.stages import born_on_a_stage
 from guard.stateful.state import Attaching, CheckState
+from guard.vocab.stage import Stage
 
 __all__ = ["GradState"]
 
@@ -26,6 +28,7 @@ class GradState(CheckState):
     def __init__(self, norms: GradNorms, names: list[str]) -> None:
         self.norms = norms
         self.names = names  # per parameter of `norms`, the model's own name for it
+        self.stage: Stage | None = None  # a pipeline stage: the names are gathered by stage
 
     @classmethod
     def attach(cls, at: Attaching) -> GradState | None:
@@ -46,7 +49,9 @@ class GradState(CheckState):
         for name, p in at.model.named_parameters(remove_duplicate=False):
             named.setdefault(id(p), name)
         names = [named.get(id(p), f"optimizer parameter {i}") for i, p in enumerate(params)]
-        return cls(GradNorms(params, at.flags, scaled=at.scaled), names)
+        state = cls(GradNorms(params, at.flags, scaled=at.scaled), names)
+        state.stage = at.stage
+        return state
 
     def install(self) -> list[Handle]:
         """The loop's gradient clip hands its per-parameter norms over (guard/device/clip.py):
@@ -71,6 +76,8 @@ class GradState(CheckState):
             return ""
         bad = self.norms.named_bad()
         hit = [self.names[i] for i, b in enumerate(bad.tolist()) if b > 0]  # a violation
+        if reduce and self.stage is not None:
+            return born_on_a_stage(hit, len(self.names), self.stage, _NAMED)
         if reduce and dist.is_available() and dist.is_initialized() and \
                 dist.get_world_size() > 1:
             # The names, not a tensor per parameter: the ranks of a pipeline's stages hold

@@ -19,9 +19,11 @@ from guard.checks import untrained_rows
 from guard.device.reading import Reading
 from guard.device.untrained_tables import UntrainedTables, UntrainedWeight
 from guard.policy import Action, Policy
+from guard.stateful.stages import from_the_rank_that_fired, ids_of_every_stage
 from guard.stateful.state import Attaching, CheckState, Finding
 from guard.vocab.discover import weight_shape
 from guard.vocab.real import checkpoint_dir
+from guard.vocab.stage import Stage
 from guard.weights.features import classify, row_features
 from guard.weights.masters import Masters
 from guard.weights.rows import rows_of
@@ -62,6 +64,7 @@ class UntrainedRowsState(CheckState):
         self._modules = modules  # the embedding's and the head's names, for PEFT's message
         self._named: set[int] = set()  # the ids a message named
         self._unread: str | None = None  # the weights whose rows cannot be read, and why
+        self.stage: Stage | None = None  # a pipeline stage: its rows are some of the ids'
 
     @classmethod
     def attach(cls, at: Attaching) -> UntrainedRowsState | None:
@@ -96,10 +99,12 @@ class UntrainedRowsState(CheckState):
                 ref = reference.item()
                 found.append(UntrainedWeight(h, shard, [i for i, _ in kept], [w for _, w in kept],
                                              ref if math.isfinite(ref) else 0.0, exempt))
-        tokens = token_names(sorted({i for w in found for i in w.ids}), at.tokenizer, at.model)
-        tables = UntrainedTables(found, at.flags, Masters(at.optimizer))
+        every = ids_of_every_stage(sorted({i for w in found for i in w.ids}), at.stage)
+        tokens = token_names(every, at.tokenizer, at.model)
+        tables = UntrainedTables(found, at.flags, Masters(at.optimizer), every)
         state = cls(found, tables, at.policy, tokens, (heads.embedding_name, heads.lm_head_name))
         state._unread = unread_rows(heads, sizes.first_padding)
+        state.stage = at.stage
         return state
 
     def unread(self) -> str | None:
@@ -169,7 +174,9 @@ class UntrainedRowsState(CheckState):
         ids = [i for i, hit in zip(self.tables.ids, new, strict=True) if hit]
         earlier, self._named = bool(self._named), self._named | set(ids)
         weights = [w for w in self.weights if set(w.ids) & set(ids)]
-        where = " and ".join(w.weight.name for w in weights)
+        where = from_the_rank_that_fired(" and ".join(w.weight.name for w in weights), reading,
+                                         self.check_name, self.stage, reduce=reduce,
+                                         every_rank=True)
         return (f"{'among them, first used now: ' if earlier else ''}"
                 f"{'id' if len(ids) == 1 else 'ids'} {id_list(ids, self.tokens)} (untrained in "
                 f"{where}){self._frozen(weights)}")
