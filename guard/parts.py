@@ -72,7 +72,7 @@ class Parts:
         # The probe, the reader and the guard share the states: one object per check.
         states = attach_states(Attaching(policy, probe.flags, heads, sizes, model, rank,
                                          tokenizer, optimizer, scaled, caller, stage))
-        record = Record.from_policy(policy, sizes.audit, rank)
+        record = Record.from_policy(policy, sizes.audit, rank, sizes.mass_over)
         caller = model if caller is None else caller
         episodes = Episodes.from_policy(policy, caller)  # re-runs what was called
         reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)
