@@ -103,7 +103,7 @@ class Parts:
         for state in self.states:
             state.after_attach(self.model)
         if drop_compiled():
-            log.info("guard: dropped torch.compile's cached graphs, which may run this model "
+            log.info("dropped torch.compile's cached graphs, which may run this model "
                      "traced without the guard's hooks; each compiled function recompiles once")
 
     def remove(self) -> None:

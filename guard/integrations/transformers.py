@@ -115,7 +115,7 @@ class GuardCallback(GuardedTraining, TrainerCallback):
             # reports at step 1; the reporters run first, which only this line can say.
             reporters = list(getattr(args, "report_to", None) or [])
             (log.warning if reporters else log.info)(
-                "guard: GuardCallback was given as callbacks=[...], so it runs after the "
+                "GuardCallback was given as callbacks=[...], so it runs after the "
                 "report_to callbacks (%s: they log no guard/ figures) and cannot see a "
                 "compute_loss_func's loss (coverage reports the steps without one); use "
                 "guard.integrations.transformers.guard_trainer(trainer, ...) for both "

@@ -249,13 +249,13 @@ class Record:
             try:
                 sink.emit(batch)
             except Exception:  # a sink must never stop training
-                log.exception("guard: sink %r failed; continuing", sink)
+                log.exception("sink %r failed; continuing", sink)
 
     def _unbuilt(self, e: Exception) -> None:
         """Log the first report that cannot be built (every later one fails alike), count all."""
         self.unbuilt += 1
         if self.unbuilt == 1:
-            log.error("guard: the report of step %d cannot be built (%s); no report reaches "
+            log.error("the report of step %d cannot be built (%s); no report reaches "
                       "the sinks while this lasts, training goes on", self._stats["step"],
                       _why(e))
 
@@ -267,7 +267,7 @@ class Record:
         """One log line per check that fired (at detach), and the reports never built."""
         self._messages.summary()
         if self.unbuilt:
-            log.error("guard: %d reports could not be built and were not sent", self.unbuilt)
+            log.error("%d reports could not be built and were not sent", self.unbuilt)
 
 
 def _why(e: Exception) -> str:
