@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from guard.checks import padding_mass
 from guard.device.compile import drop_compiled
 from guard.device.hooks import Handle
 from guard.device.loss import LossShares
@@ -72,7 +73,8 @@ class Parts:
         # The probe, the reader and the guard share the states: one object per check.
         states = attach_states(Attaching(policy, probe.flags, heads, sizes, model, rank,
                                          tokenizer, optimizer, scaled, caller, stage))
-        record = Record.from_policy(policy, sizes.audit, rank, sizes.mass_over)
+        record = Record.from_policy(policy, sizes.audit, rank)
+        record.mass_bound = padding_mass.reported_bound(policy, *sizes.mass_over)
         caller = model if caller is None else caller
         episodes = Episodes.from_policy(policy, caller)  # re-runs what was called
         reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)

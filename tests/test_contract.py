@@ -77,6 +77,11 @@ def test_a_healthy_rank_under_the_default_policy_has_the_typical_series() -> Non
 
     assert set(report.violations) == set(CHECKS)
     assert all(n == 0 for by_action in report.violations.values() for n in by_action.values())
+    # The bound the padding mass is judged against travels with it (the page shows both).
+    from guard.checks.padding_mass import bound
+    from guard.policy import Policy
+
+    assert report.padding_mass_bound == bound(Policy(), 100, 128)
 
 
 def test_the_label_values_are_declared_once_on_the_wire() -> None:

@@ -16,7 +16,7 @@ from typing import Any, cast, get_args
 from annotated_types import Ge, Le
 from pydantic import ValidationError
 
-from guard.checks import SPECS, padding_mass
+from guard.checks import SPECS
 from guard.checks.spec import Gauges, Stats, Total
 from guard.device.reading import LAYOUT, Values
 from guard.policy import CHECKS, Action, Policy, default_run_id
@@ -118,21 +118,13 @@ class Record:
         self._once: set[str] = set()  # keys of violations reported already
         self._messages = Messages()  # what of them reaches the log
         self.unbuilt = 0  # reports that could not be built (logged once, counted here)
-        self.mass_bound: float | None = None  # padding_mass's bound, on the wire beside it
+        self.mass_bound: float | None = None  # padding_mass.reported_bound, on the wire
 
     @classmethod
-    def from_policy(cls, policy: Policy, audit: Audit, rank: int,
-                    mass_over: tuple[int, int] | None = None) -> Record:
-        """`mass_over`: (real, columns) of the softmax the padding mass is measured over
-        (Sizes.mass_over; default the whole vocab), for the bound its check judges it by."""
+    def from_policy(cls, policy: Policy, audit: Audit, rank: int) -> Record:
         enabled = {c: policy.action(c) for c in CHECKS if policy.enabled(c)}
         vocab = {"real": audit.real, "rows": audit.rows, "aligned": audit.aligned}
-        record = cls(policy.run_id or default_run_id(), rank, vocab, enabled)
-        if policy.enabled("padding_mass"):
-            real, columns = mass_over or (min(audit.real, audit.rows), audit.rows)
-            limit = padding_mass.bound(policy, real, columns)
-            record.mass_bound = limit if math.isfinite(limit) else None  # no padding: none
-        return record
+        return cls(policy.run_id or default_run_id(), rank, vocab, enabled)
 
     @property
     def stats(self) -> dict[str, Any]:
