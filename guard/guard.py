@@ -293,6 +293,6 @@ def attach(
     tp = sizes.tp
     shard = "" if tp is None else (f"; this rank's head columns are the ids [{tp.start}, "
                                    f"{tp.end}) of {tp.rows} ({tp.source}, {tp.degree} ranks)")
-    log.info("guard attached to %s / %s%s: %s%s", heads.embedding_name, heads.lm_head_name,
+    log.info("attached to %s / %s%s: %s%s", heads.embedding_name, heads.lm_head_name,
              inside, str(sizes.audit).splitlines()[0], shard)
     return g

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from guard.checks import padding_mass
 from guard.device.compile import drop_compiled
 from guard.device.hooks import Handle
 from guard.device.loss import LossShares
@@ -74,6 +75,7 @@ class Parts:
         states = attach_states(Attaching(policy, probe.flags, heads, sizes, model, rank,
                                          tokenizer, optimizer, scaled, caller, stage))
         record = Record.from_policy(policy, sizes.audit, rank)
+        record.mass_bound = padding_mass.reported_bound(policy, *sizes.mass_over)
         caller = model if caller is None else caller
         episodes = Episodes.from_policy(policy, caller)  # re-runs what was called
         reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)
@@ -106,7 +108,7 @@ class Parts:
         for state in self.states:
             state.after_attach(self.model)
         if drop_compiled():
-            log.info("guard: dropped torch.compile's cached graphs, which may run this model "
+            log.info("dropped torch.compile's cached graphs, which may run this model "
                      "traced without the guard's hooks; each compiled function recompiles once")
 
     def remove(self) -> None:

@@ -63,8 +63,8 @@ def _then(action: Action) -> str:
 
 
 def _describe(f: UntrainedFigures, c: Context) -> Found:
-    seen, total = listed({("labels" if k == "label" else "input ids"): n
-                          for k, n in f.counts.items()}, "{n} {k}", " and ")
+    seen, total = listed({("label" if k == "label" else "input id"): n
+                          for k, n in f.counts.items()}, "{n} {k}{s}", " and ")
     which = c.detail or "the ids named when they were first used"
     kind = "+".join(k for k, n in f.counts.items() if n > 0)
     return Found(total, 0.0, kind=kind, text=(

@@ -123,7 +123,7 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
             # reports at step 1; the reporters run first, which only this line can say.
             reporters = list(getattr(args, "report_to", None) or [])
             (log.warning if reporters else log.info)(
-                "guard: GuardCallback was given as callbacks=[...], so it runs after the "
+                "GuardCallback was given as callbacks=[...], so it runs after the "
                 "report_to callbacks (%s: they log no guard/ figures) and cannot see a "
                 "compute_loss_func's loss (coverage reports the steps without one); use "
                 "guard.integrations.transformers.guard_trainer(trainer, ...) for both "
@@ -160,7 +160,7 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
         if state.global_step < 1:
             return
         if held is None:
-            log.warning("guard: resuming at step %d from a checkpoint without the guard's "
+            log.warning("resuming at step %d from a checkpoint without the guard's "
                         "state: its loss window and counters start empty", state.global_step)
             return
         try:

@@ -30,7 +30,7 @@ def lasting(policy: Policy, weights: Sequence[tuple[str, torch.Tensor]],
     what = "; ".join(f"{name}: {reason}" for name, reason in why)
     mask = ("the padding columns stay masked (padding_mass: mask)" if policy.masks else
             "nothing keeps the padding columns out of the loss (padding_mass is not mask)")
-    log.warning("guard: %s cannot repair in place: %s. A repair written to the weights would "
+    log.warning("%s cannot repair in place: %s. A repair written to the weights would "
                 "be undone at the next update, so %s warn instead (action: warn), and %s. "
                 "Pass the optimizer that updates the weights themselves, or DeepSpeed's own "
                 "(optimizer=engine.optimizer)", " and ".join(repairing), what,

@@ -86,5 +86,5 @@ def suppress_padding_ids(model: nn.Module, real: int, rows: int) -> None:
         return
     before = list(config.suppress_tokens or [])
     config.suppress_tokens = sorted(set(before) | set(range(real, rows)))
-    log.info("guard: generation_config.suppress_tokens now holds the padding ids [%d, %d)",
+    log.info("generation_config.suppress_tokens now holds the padding ids [%d, %d)",
              real, rows)

@@ -73,7 +73,7 @@ class UntrainedRowsState(CheckState):
         it does not read; a DTensor's rows it reads in global numbers)."""
         sizes, heads = at.sizes, at.heads
         if sizes.tp is not None and not sizes.tp.dtensor:
-            log.info("guard: untrained_rows does not read a vocab-parallel head held as a plain "
+            log.info("untrained_rows does not read a vocab-parallel head held as a plain "
                      "tensor (%s, ids %s): run `guard audit` on the checkpoint instead",
                      sizes.tp.source, sizes.shard)
             return None

@@ -118,6 +118,7 @@ class Record:
         self._once: set[str] = set()  # keys of violations reported already
         self._messages = Messages()  # what of them reaches the log
         self.unbuilt = 0  # reports that could not be built (logged once, counted here)
+        self.mass_bound: float | None = None  # padding_mass.reported_bound, on the wire
 
     @classmethod
     def from_policy(cls, policy: Policy, audit: Audit, rank: int) -> Record:
@@ -214,7 +215,7 @@ class Record:
             violations=cast(dict[CheckName, dict[ActionName, int]], violations),
             skipped_steps=_count(s["skipped_steps"]),
             halted=cast(CheckName | None, self.halted), vocab=self.vocab, dropped_reports=0,
-            final=final, events=events)
+            final=final, events=events, padding_mass_bound=self.mass_bound)
 
     def _figures_held(self) -> dict[str, Any]:
         """The specs' figures as of now: g.stats less its own keys."""
@@ -267,13 +268,13 @@ class Record:
             try:
                 sink.emit(batch)
             except Exception:  # a sink must never stop training
-                log.exception("guard: sink %r failed; continuing", sink)
+                log.exception("sink %r failed; continuing", sink)
 
     def _unbuilt(self, e: Exception) -> None:
         """Log the first report that cannot be built (every later one fails alike), count all."""
         self.unbuilt += 1
         if self.unbuilt == 1:
-            log.error("guard: the report of step %d cannot be built (%s); no report reaches "
+            log.error("the report of step %d cannot be built (%s); no report reaches "
                       "the sinks while this lasts, training goes on", self._stats["step"],
                       _why(e))
 
@@ -285,7 +286,7 @@ class Record:
         """One log line per check that fired (at detach), and the reports never built."""
         self._messages.summary()
         if self.unbuilt:
-            log.error("guard: %d reports could not be built and were not sent", self.unbuilt)
+            log.error("%d reports could not be built and were not sent", self.unbuilt)
 
 
 def _why(e: Exception) -> str:

@@ -99,14 +99,14 @@ class Resumable:
         if rank != self._record.rank:
             # The frameworks save rank 0's state only: the step and the loss window fit every
             # rank, rank 0's totals do not.
-            log.info("guard: resuming rank %d from rank %d's state: its step and loss window, "
+            log.info("resuming rank %d from rank %d's state: its step and loss window, "
                      "not its totals", self._record.rank, rank)
             totals = {}
         if spike is not None and window is not None:
             spike.history, spike.accepted, spike.seen = window
         self._record.add_totals(totals, step)
         self._clock.resume(step)
-        log.info("guard: resumed at step %d", step)
+        log.info("resumed at step %d", step)
 
 
 def _int(state: Mapping[str, Any], name: str, *, default: int = 0,

@@ -118,7 +118,7 @@ def test_hf_trainer_says_when_the_checkpoint_has_no_guard_state(
     t, cb = hf_run(tmp_path, 8)
     with caplog.at_level(logging.WARNING, logger="guard"):
         t.train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
-    assert "guard: resuming at step 6 from a checkpoint without the guard's state: its loss " \
+    assert "resuming at step 6 from a checkpoint without the guard's state: its loss " \
            "window and counters start empty" in caplog.text
     assert cb.guard is not None and cb.guard.stats["step"] == 2
 

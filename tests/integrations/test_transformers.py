@@ -443,7 +443,7 @@ def test_a_run_that_warns_every_step_says_when_its_log_thins_out_and_sums_up_at_
     assert said[4].endswith("(occurrence 5; from here on 1 in 100 is logged, and any that is "
                             "worse; every one is counted in g.stats['violations'] and "
                             "guard_violations_total)")
-    assert said[5].startswith("guard: padding_mass at detach: 21 violation step(s) (warn)")
+    assert said[5].startswith("padding_mass at detach: 21 violation step(s) (warn)")
     assert said[5].endswith("the last at step 21; 16 not logged one by one")
 
 

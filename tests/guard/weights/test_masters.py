@@ -55,7 +55,7 @@ def test_copies_the_guard_cannot_reach_turn_the_repair_into_a_warning(
     said = [r.getMessage() for r in caplog.records if "cannot repair in place" in
             r.getMessage()]
     assert len(said) == 1
-    assert said[0].startswith("guard: padding_rows and untrained_rows cannot repair in place: "
+    assert said[0].startswith("padding_rows and untrained_rows cannot repair in place: "
                               "wte.weight (tied: lm_head.weight): SGD does not "
                               "update the weight itself")
     assert "the padding columns stay masked (padding_mass: mask)" in said[0]
