@@ -34,19 +34,19 @@ class ReferenceMask:
         heads = discover(model)
         self.rows = heads.head_rows
         self.real = real
-        fused = FusedHead(model, heads, real)
-
-        def fused_on(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if FusedHead.asked(kwargs):
-                fused.on()
-
-        def fused_off(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            fused.off()
-
+        self._fused = fused = FusedHead(model, heads, real)
         self._handles: list[RemovableHandle | FusedHead] = [] if real >= self.rows else [
             hook(heads.lm_head, mask_hook(real, self.rows), kind="forward"),
-            hook(model, fused_on, kind="forward_pre", with_kwargs=True),
-            hook(model, fused_off, kind="forward"), fused]
+            hook(model, self._fused_on, kind="forward_pre", with_kwargs=True),
+            hook(model, self._fused_off, kind="forward"), fused]
+
+    def _fused_on(self, module: nn.Module, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> None:
+        if FusedHead.asked(kwargs):
+            self._fused.on()
+
+    def _fused_off(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        self._fused.off()
 
     def remove(self) -> None:
         """Every hook off, the head's own rows back; idempotent."""
