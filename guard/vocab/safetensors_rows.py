@@ -174,8 +174,8 @@ def row_stats(path: Path, name: str, start: int, stop: int, *, factor: float = 1
         n = np.where(bad, -1.0, norms(b.values))
         width = len(b.raw) // max(len(b.values), 1)
         for i in range(len(b.values)):
-            if (r := real_bits.get(b.raw[i * width:(i + 1) * width])) is not None:
-                copies, copied = copies + 1, max(copied, r)
+            if (row := real_bits.get(b.raw[i * width:(i + 1) * width])) is not None:
+                copies, copied = copies + 1, max(copied, row)
         if len(n) and (top := float(n.max())) > max_norm:
             max_norm, max_row = top, b.first + int(n.argmax())
     return RowStats(name, start, stop, t.dtype, nonfinite, tuple(bad_rows), max_norm, max_row,
