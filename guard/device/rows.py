@@ -17,6 +17,7 @@ import torch
 from guard.checks import padding_rows
 from guard.device.flags import Flags
 from guard.device.masters import Masters
+from guard.device.row_copies import real_row_copies
 from guard.device.sharded import RowShard, rows_of
 from guard.device.zero_rows import ZeroRows, unreadable
 from guard.vocab.discover import Heads, weight_shape
@@ -82,6 +83,8 @@ class PaddingRows:
         # whole weight: a shard may hold few real rows, or none).
         with torch.no_grad():
             self._reference = [s.largest_norm_below(real) for s, real in self._shards]
+            # Padding rows that copy a real row: put in the flags once, at the attach read.
+            self._copies = [real_row_copies(s, real) for s, real in self._shards]
 
     @property
     def _shards(self) -> list[tuple[RowShard | ZeroRows, int]]:
@@ -125,6 +128,11 @@ class PaddingRows:
                 self.flags.follow(device)
                 self.flags.put(padding_rows.NONFINITE, bad)
                 self.flags.put(padding_rows.RATIO, torch.nan_to_num(ratio, nan=float("inf")))
+            for found in self._copies:
+                if found is not None:
+                    self.flags.put(padding_rows.COPIES, found[0])
+                    self.flags.put(padding_rows.COPIED, found[1])
+            self._copies = []
 
     def repair(self) -> None:
         """Set each padding row (and the head's padding bias) to the mean of the real ones,
