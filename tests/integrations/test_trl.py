@@ -157,3 +157,22 @@ def test_dpo_reference_model_is_masked_too_so_rewards_start_at_zero(tmp_path: Pa
     assert logs["loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: no preference yet
     cb.release()  # the reference's hooks go with the policy's after-training mask
     assert hook_count(ref) == 0 and "get_output_embeddings" not in ref.__dict__
+
+
+@pytest.mark.filterwarnings("ignore:`label_smoothing_factor` is deprecated:FutureWarning")
+def test_sft_label_smoothing_trains_the_real_vocab_smoothed_loss(tmp_path: Path) -> None:
+    """Issue 39 item 2 through TRL: SFTTrainer smooths with the Trainer's label smoother, which
+    guard_trainer runs over the real columns (unguarded over the masked padding: +inf)."""
+    tok = tokenizer()
+    real = len(tok)
+    model = qwen2(real, garbage=1.0)
+    reference = sft(real_only(model, real), tok, tmp_path / "ref", label_smoothing_factor=0.1)
+    trainer = sft(model, tok, tmp_path / "run", label_smoothing_factor=0.1)
+    cb = guard_trainer(trainer, policy=QUIET)
+    reference.train()
+    trainer.train()
+    want = [e["loss"] for e in reference.state.log_history if "loss" in e]
+    loss = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(loss) == 3 and loss[0] == pytest.approx(want[0], abs=1e-4) and want[0] > 0
+    assert cb.guard is not None  # its garbage rows repaired at attach; the loss finite
+    assert set(cb.guard.stats["violations"]) == {"padding_rows"}
