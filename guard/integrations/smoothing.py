@@ -19,7 +19,7 @@ import torch
 
 import guard
 
-__all__ = ["RealColumnsSmoother"]
+__all__ = ["RealColumnsSmoother", "refused"]
 
 
 class RealColumnsSmoother:
@@ -46,3 +46,19 @@ class RealColumnsSmoother:
         logits = model_output["logits"] if isinstance(model_output, dict) else model_output[0]
         # A tuple: the LabelSmoother takes its [0] as the logits.
         return self.smoother((logits[..., :self.real],), labels, **self._options)
+
+
+def refused(smoothing: float, rows: int, real: int, bare: bool) -> str:
+    """Why a Trainer's label smoothing over a head with padding rows is refused (`bare`: the
+    callback was given as callbacks=[...])."""
+    why = ("given as callbacks=[...], the callback cannot reach the Trainer's label smoother: "
+           "put it on with guard_trainer(trainer, ...), which smooths over the real columns "
+           "under padding_mass: mask" if bare else
+           "the guard smooths over the real columns only under padding_mass: mask, on a head "
+           "that is not vocab-parallel")
+    return (f"GuardCallback: label_smoothing_factor={smoothing:g} smooths over all {rows} "
+            f"columns of the logits, the {rows - real} padding columns [{real}, {rows}) "
+            "included: under the mask their -inf makes the loss +inf (the Trainer logs it as "
+            "0.0), without it training teaches the model to give ghost ids probability; "
+            f"{why}. Or set label_smoothing_factor=0 and smooth in the model's own loss over "
+            f"the real columns logits[..., :{real}] (docs/integrations.md)")

@@ -39,7 +39,7 @@ import guard
 from guard.errors import AttachError
 from guard.integrations.common import GuardedTraining
 from guard.integrations.reference import ReferenceMask, reference_of
-from guard.integrations.smoothing import RealColumnsSmoother
+from guard.integrations.smoothing import RealColumnsSmoother, refused
 
 __all__ = ["GuardCallback", "PaddingMaskLogitsProcessor", "guard_trainer"]
 
@@ -119,7 +119,7 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
                 and (a := self._audit(model, processing_class)).real < a.rows \
                 and (smoother is None or not self.policy.masks or self.vocab_shard is not None):
             # Refused before the attach: nothing on the model changes.
-            raise AttachError(_smoothing_refused(smoothing, a.rows, a.real, trainer is None))
+            raise AttachError(refused(smoothing, a.rows, a.real, trainer is None))
         g = self._attach(model, optimizer=optimizer, processing_class=processing_class,
                          loss_shares="sum" if sums else "last", loss_scale=scale)
         if trainer is not None and smoother is not None and self.vocab_shard is None:
@@ -241,20 +241,6 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
         if self._reference is not None:
             self._reference.remove()
             self._reference = None
-
-
-def _smoothing_refused(smoothing: float, rows: int, real: int, bare: bool) -> str:
-    why = ("given as callbacks=[...], the callback cannot reach the Trainer's label smoother: "
-           "put it on with guard_trainer(trainer, ...), which smooths over the real columns "
-           "under padding_mass: mask" if bare else
-           "the guard smooths over the real columns only under padding_mass: mask, on a head "
-           "that is not vocab-parallel")
-    return (f"GuardCallback: label_smoothing_factor={smoothing:g} smooths over all {rows} "
-            f"columns of the logits, the {rows - real} padding columns [{real}, {rows}) "
-            "included: under the mask their -inf makes the loss +inf (the Trainer logs it as "
-            "0.0), without it training teaches the model to give ghost ids probability; "
-            f"{why}. Or set label_smoothing_factor=0 and smooth in the model's own loss over "
-            f"the real columns logits[..., :{real}] (docs/integrations.md)")
 
 
 def _logs(callback: TrainerCallback) -> bool:
