@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from guard.arguments import check_arguments
+from guard.checks.padding_mass import mask_note
 from guard.device.hooks import Handle, hook
 from guard.device.loss import LossShares
 from guard.device.pipeline import quiet_inference
@@ -293,6 +294,7 @@ def attach(
     tp = sizes.tp
     shard = "" if tp is None else (f"; this rank's head columns are the ids [{tp.start}, "
                                    f"{tp.end}) of {tp.rows} ({tp.source}, {tp.degree} ranks)")
-    log.info("attached to %s / %s%s: %s%s", heads.embedding_name, heads.lm_head_name,
-             inside, str(sizes.audit).splitlines()[0], shard)
+    note = mask_note(a.policy, sizes.real, sizes.rows) if tp is None and stage is None else ""
+    log.info("attached to %s / %s%s: %s%s%s", heads.embedding_name, heads.lm_head_name,
+             inside, str(sizes.audit).splitlines()[0], shard, note)
     return g

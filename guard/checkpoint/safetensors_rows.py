@@ -104,6 +104,10 @@ class RowStats:
     max_norm_row: int
     reference: float  # the largest norm among the sampled real rows
     factor: float
+    # Padding rows holding exactly the bits of a real row (the last one, or a sampled one):
+    # what a checkpoint converter leaves when it pads for a new tensor-parallel size.
+    copies: int = 0
+    copied_row: int = -1  # the real row they copy (the highest, when several)
 
     @property
     def ratio(self) -> float:
@@ -111,7 +115,8 @@ class RowStats:
 
     @property
     def ok(self) -> bool:
-        return self.nonfinite == 0 and (self.max_norm == 0 or self.ratio <= self.factor)
+        return self.nonfinite == 0 and self.copies == 0 and (
+            self.max_norm == 0 or self.ratio <= self.factor)
 
     def describe(self) -> str:
         from guard.quote import shown
@@ -123,6 +128,10 @@ class RowStats:
         if self.max_norm > 0 and self.ratio > self.factor:
             seen.append(f"the largest norm {self.max_norm:.3g} (row {self.max_norm_row}) is "
                         f"{self.ratio:.3g}x the largest sampled real row's ({self.reference:.3g})")
+        if self.copies:
+            seen.append(f"{self.copies} are bit copies of real row {self.copied_row} (what a "
+                        "checkpoint converter padding for a new tensor-parallel size leaves: "
+                        f"each such ghost id takes exactly id {self.copied_row}'s probability)")
         return (f"padding rows [{self.start}, {self.stop}) of {shown(self.tensor)}: "
                 f"{'; '.join(seen) or 'clean'}")
 
@@ -131,23 +140,30 @@ class RowStats:
                 "nonfinite": self.nonfinite, "nonfinite_rows": list(self.nonfinite_rows),
                 "max_norm": self.max_norm if math.isfinite(self.max_norm) else None,
                 "max_norm_row": self.max_norm_row, "reference_norm": self.reference,
-                "factor": self.factor, "ok": self.ok}
+                "factor": self.factor, "copies": self.copies,
+                "copied_row": self.copied_row if self.copies else None, "ok": self.ok}
 
 
 def row_stats(path: Path, name: str, start: int, stop: int, *, factor: float = 10.0,
               samples: int = 64, tensor: Tensor | None = None) -> RowStats | None:
     """Padding rows [start, stop) of `name` (`tensor`, when its file was validated already),
-    against `samples` real rows spread over [0, start); None for a dtype this reader does not
-    decode (it says which)."""
+    against `samples` real rows spread over [0, start) and the last real row (its norm, and
+    padding rows that are bit copies of one); None for a dtype this reader does not decode
+    (it says which)."""
     t = tensor if tensor is not None else read_tensor(path, name)
     if t.dtype not in _SIZES:
         return None
     stop = min(stop, t.shape[0])
     reference = 0.0
-    for r in list(range(0, start, max(1, start // samples)))[:samples]:
+    real_bits: dict[bytes, int] = {}  # the sampled real rows' bytes (non-zero rows), and row
+    sampled = list(range(0, start, max(1, start // samples)))[:samples]
+    for r in sorted({*sampled, *([start - 1] if start > 0 else [])}):
         for b in blocks(path, t, range(r, r + 1)):
             n = norms(b.values)
             reference = max(reference, float(n[0])) if np.isfinite(n[0]) else reference
+            if n[0] > 0:
+                real_bits[b.raw] = r
+    copies, copied = 0, -1
     nonfinite, bad_rows = 0, []
     max_norm, max_row = 0.0, start
     for b in blocks(path, t, range(start, stop)):
@@ -156,7 +172,11 @@ def row_stats(path: Path, name: str, start: int, stop: int, *, factor: float = 1
         bad = ~finite.all(axis=1)
         bad_rows += (b.first + np.flatnonzero(bad)).tolist()
         n = np.where(bad, -1.0, norms(b.values))
+        width = len(b.raw) // max(len(b.values), 1)
+        for i in range(len(b.values)):
+            if (row := real_bits.get(b.raw[i * width:(i + 1) * width])) is not None:
+                copies, copied = copies + 1, max(copied, row)
         if len(n) and (top := float(n.max())) > max_norm:
             max_norm, max_row = top, b.first + int(n.argmax())
     return RowStats(name, start, stop, t.dtype, nonfinite, tuple(bad_rows), max_norm, max_row,
-                    reference, factor)
+                    reference, factor, copies, copied)

@@ -20,7 +20,7 @@ from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, fmt
 from guard.policy import Policy
 
 __all__ = ["COUNT", "FUSED", "LOSS_MAX", "LSE_MAX", "LSE_SHIFT", "LSE_SUM", "MAX", "SPEC", "SUM",
-           "PaddingMass", "bound", "reported_bound"]
+           "PaddingMass", "bound", "mask_note", "reported_bound"]
 
 SUM = Slot("padding_mass.sum")  # the masses of the sampled positions, summed
 COUNT = Slot("padding_mass.count")  # positions sampled
@@ -114,6 +114,14 @@ def _describe(f: PaddingMass, c: Context) -> Found:
         f"the loss trained on {fmt(top)} of the probability (mean {fmt(mean)}) on the "
         f"{c.rows - c.real} padding columns [{c.real}, {c.rows}){of}: {expected}; {c.next}. "
         f"{fix}"))
+
+
+def mask_note(policy: Policy, real: int, rows: int) -> str:
+    """What attach says under the mask of a loss over every column (a loop of one's own)."""
+    if not policy.masks or real >= rows:
+        return ""
+    return (f"; padding_mass: mask sets the padding columns [{real}, {rows}) to -inf, so a loss "
+            f"over every column (label smoothing) is inf: compute it over logits[..., :{real}]")
 
 
 SPEC = Spec("padding_mass", (SUM, COUNT, MAX, LOSS_MAX, FUSED, LSE_SUM, LSE_MAX),

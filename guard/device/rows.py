@@ -17,6 +17,7 @@ from guard.checks import padding_rows
 from guard.device.flags import Flags
 from guard.vocab.discover import Heads, weight_shape
 from guard.weights.masters import Masters
+from guard.weights.row_copies import real_row_copies
 from guard.weights.rows import Rows, rows_of
 from guard.weights.vocab import vocab_weights
 from guard.weights.zero_rows import unreadable
@@ -44,6 +45,8 @@ class PaddingRows:
         # whole weight: a shard may hold few real rows, or none).
         with torch.no_grad():
             self._reference = [s.largest_norm_below(real) for s, real in self._shards]
+            # Padding rows that copy a real row: put in the flags once, at the attach read.
+            self._copies = [real_row_copies(s, real) for s, real in self._shards]
 
     @property
     def _shards(self) -> list[tuple[Rows, int]]:
@@ -82,6 +85,11 @@ class PaddingRows:
                 self.flags.follow(norm.device)
                 self.flags.put(padding_rows.NONFINITE, bad)
                 self.flags.put(padding_rows.RATIO, torch.nan_to_num(ratio, nan=float("inf")))
+            for found in self._copies:
+                if found is not None:
+                    self.flags.put(padding_rows.COPIES, found[0])
+                    self.flags.put(padding_rows.COPIED, found[1])
+            self._copies = []
 
     def repair(self) -> None:
         """Set each padding row (and the head's padding bias) to the mean of the real ones,

@@ -16,7 +16,8 @@ from guard.errors import CheckpointError
 
 def write_model(d: Path, rows: int, *, real: int | None = None, tie: bool = True,
                 shard: bool = False, resize_to: int | None = None,
-                padding: float | None = None, dtype: torch.dtype | None = None) -> Path:
+                padding: float | None = None, dtype: torch.dtype | None = None,
+                copy_last: bool = False) -> Path:
     """A 1-layer GPT-2 with `rows` vocab rows saved by save_pretrained, and, with `real`, a
     local tokenizer of `real` ids (3 of them added tokens) saved beside it."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -33,6 +34,11 @@ def write_model(d: Path, rows: int, *, real: int | None = None, tie: bool = True
                       id(m.get_output_embeddings().weight): m.get_output_embeddings().weight
                       }.values():
                 w[real:] = padding
+    if copy_last and real is not None:  # a converter padding for a new tensor-parallel size
+        with torch.no_grad():
+            for w in {id(p): p for p in (m.get_input_embeddings().weight,
+                                         m.get_output_embeddings().weight)}.values():
+                w[real:] = w[real - 1]
     if dtype is not None:
         m = m.to(dtype)
     m.save_pretrained(d, max_shard_size="5KB" if shard else "5GB")
@@ -188,6 +194,22 @@ def test_garbage_padding_rows_are_a_violation(tmp_path: Path, padding: float,
     assert "fix: overwrite them with the mean real row" in text
     assert "verdict: NOT OK (sizes ok, padding rows not)" in text and "verdict: ok" not in text
     assert a.to_dict()["padding_rows"][0]["ok"] is False
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_padding_rows_that_copy_the_last_real_row_are_named(tmp_path: Path, tie: bool) -> None:
+    """Issue 39 item 1: each ghost id would take exactly id 99's probability; the norms pass."""
+    a = audit_checkpoint(write_model(tmp_path, 100, real=100, tie=tie, resize_to=128,
+                                     copy_last=True))
+    assert a.audit.ok and not a.ok
+    assert [(r.copies, r.copied_row, r.max_norm <= r.reference * r.factor)
+            for r in a.padding_rows] == [(28, 99, True)] * (1 if tie else 2)
+    text = str(a)
+    assert "padding rows NOT OK: padding rows [100, 128) of transformer.wte.weight: 28 are " \
+           "bit copies of real row 99 (what a checkpoint converter padding for a new " \
+           "tensor-parallel size leaves: each such ghost id takes exactly id 99's " \
+           "probability)" in text, text
+    assert a.to_dict()["padding_rows"][0]["copies"] == 28
 
 
 def test_sharded_untied_rows_are_read_from_their_own_shards(tmp_path: Path) -> None:
