@@ -106,9 +106,9 @@ class EmbeddedServer:
 
     def last_scrape(self, most_s: float = LAST_SCRAPE_WAIT_S) -> bool | None:
         """Where something scrapes this endpoint on an interval (two scrapes seen), wait for
-        its next scrape, at most 1.5 of its interval and `most_s`, so that it reads the state
-        as it is now (the trainer's final report, before the process exits). True once one
-        came, False when none came in time, None when nothing scrapes it (no wait)."""
+        its next scrape (at most twice its interval and a second, and `most_s`), so that it
+        reads the state as it is now (the trainer's final report, before the process exits).
+        True once one came, False when none came in time, None when nothing scrapes it."""
         scrapes: ScrapeClock = self.app.state.scrapes
         wait_s = scrapes.last_scrape_wait(most_s)
         if self.url is None or wait_s <= 0:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 __all__ = ["LAST_SCRAPE_WAIT_S", "ScrapeClock"]
 
-# The longest a trainer's exit waits for its last scrape: 1.5 intervals of the recipes' 15 s.
+# The longest a trainer's exit waits for its last scrape: 2 intervals of the recipes' 15 s.
 LAST_SCRAPE_WAIT_S = 30.0
 
 
@@ -44,7 +44,8 @@ class ScrapeClock:
                                           timeout=timeout_s)
 
     def last_scrape_wait(self, most_s: float = LAST_SCRAPE_WAIT_S) -> float:
-        """How long to wait for the next scrape: 1.5 of the interval between the last two, at
-        most `most_s`; 0 where nothing scrapes this endpoint on an interval."""
+        """How long to wait for the next scrape: twice the interval between the last two and a
+        second (a scrape comes late on a loaded machine), at most `most_s`; 0 where nothing
+        scrapes this endpoint on an interval."""
         every = self.interval()
-        return 0.0 if every is None else min(most_s, 1.5 * every)
+        return 0.0 if every is None else min(most_s, 2 * every + 1.0)

@@ -62,8 +62,8 @@ def test_the_wait_is_bounded_by_the_interval_seen() -> None:
     assert clock.last_scrape_wait() == 0.0
     clock.note(100.0)
     clock.note(110.0)
-    assert clock.interval() == 10.0 and clock.last_scrape_wait() == 15.0
+    assert clock.interval() == 10.0 and clock.last_scrape_wait() == 21.0
     assert clock.last_scrape_wait(most_s=4.0) == 4.0
     clock.note(200.0)
-    assert clock.last_scrape_wait() == 30.0  # 1.5 x 90 s, capped: a slow scrape no longer
+    assert clock.last_scrape_wait() == 30.0  # 2 x 90 s + 1, capped: a slow scrape no longer
     assert clock.wait_after(150.0, timeout_s=0.0) and not clock.wait_after(200.0, timeout_s=0.0)
