@@ -15,11 +15,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from guard.errors import AttachError
 from guard.vocab import megatron
 from guard.vocab.discover import Heads, discover, weight_shape
+from guard.vocab.names import HEAD_NAMES
 from guard.vocab.sizes import pad_vocab_size
 
 __all__ = ["Absent", "Stage", "stage_heads", "stage_of"]
@@ -67,7 +69,9 @@ class Absent(nn.Module):
 def stage_of(obj: object) -> tuple[object, Stage | None]:
     """(the module inside, what its pipeline says of the stage) for torch's `PipelineStage`
     (its `.submod`) and DeepSpeed's `PipelineModule` (the module itself); (obj, None) else."""
-    submod = getattr(obj, "submod", None)
+    # A PipelineStage is not a module; a module's getattr can raise other than AttributeError
+    # (a compiled module without its _orig_mod: KeyError), so modules are not asked.
+    submod = None if isinstance(obj, nn.Module) else getattr(obj, "submod", None)
     if isinstance(submod, nn.Module) and isinstance(getattr(obj, "stage_index", None), int) \
             and isinstance(getattr(obj, "num_stages", None), int):
         held: Any = obj
@@ -90,7 +94,7 @@ def _ends(model: nn.Module, embedding: nn.Module | None,
         for m in model.modules())
     has_head = lm_head is not None or any(
         (isinstance(m, nn.Linear) or megatron.is_column_parallel(m))
-        and n.rsplit(".", 1)[-1] in ("lm_head", "output", "output_layer", "head", "embed_out")
+        and n.rsplit(".", 1)[-1] in HEAD_NAMES
         for n, m in model.named_modules())
     return has_emb, has_head
 
@@ -102,6 +106,18 @@ def stage_heads(model: nn.Module, *, embedding: nn.Module | None, lm_head: nn.Mo
     ends it holds, an `Absent` stand-in for the others. A module without an embedding or
     without a head is a stage (a model cannot train without both); one the pipeline says
     should hold an end it lacks is an AttachError naming the argument that gives it."""
+    if stage is None and tied is None:
+        # A whole model first: discovery knows more head shapes (torchtune's TiedLinear, a
+        # head found by its rows) than the stage test below. A module it cannot read is a
+        # stage only in a distributed run, where a pipeline can hold the other end; in one
+        # process it is a model missing a part, and discovery's error says which to pass.
+        try:
+            return discover(model, embedding=embedding, lm_head=lm_head), None
+        except AttachError as e:
+            if not _distributed():
+                raise AttachError(f"{e}; if this module is one stage of a pipeline, attach "
+                                  "it on every rank under torch.distributed, or attach its "
+                                  "PipelineStage") from None
     has_emb, has_head = _ends(model, embedding, lm_head)
     if stage is None and has_emb and has_head:
         return discover(model, embedding=embedding, lm_head=lm_head), None
@@ -131,6 +147,10 @@ def stage_heads(model: nn.Module, *, embedding: nn.Module | None, lm_head: nn.Mo
                       "<no head on this stage>")
     log.info("guard: %s (from %s): checking %s", stage.name, stage.source, _checks(stage))
     return heads, stage
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _held(model: nn.Module, embedding: nn.Module | None, lm_head: nn.Module | None,

@@ -1,11 +1,16 @@
 """A pipeline stage attached in one process (guard/vocab/stage.py): the first stage (the
 embedding only) and the last (the head only) attach, each checks what it holds, and neither is
-blind for what the other holds. The torchrun tests of real pipelining are issue 38's next."""
+blind for what the other holds. A bare module is taken for a stage only under torch.distributed
+(a one-rank gloo group here); in one process it is a model missing a part. The torchrun tests
+of real pipelining are issue 38's next."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -13,6 +18,17 @@ import guard
 
 REAL, ROWS, D = 1000, 1024, 16
 POLICY = {"export": {"serve": None}}
+
+
+@pytest.fixture(autouse=True)
+def one_rank_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A pipeline runs under torch.distributed: one gloo rank stands for it here."""
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 class First(nn.Module):
@@ -91,3 +107,14 @@ def test_a_ghost_input_stops_the_first_stage() -> None:
         with pytest.raises(guard.GuardViolation) as e:
             o1.step()
     assert e.value.check == "token_range"
+
+
+def test_in_one_process_a_module_without_a_head_is_a_model_missing_it() -> None:
+    dist.destroy_process_group()  # no pipeline without torch.distributed
+    try:
+        with pytest.raises(guard.AttachError, match=r"cannot find the output head.*pass "
+                           r"lm_head=.*one stage of a pipeline, attach it on every rank under "
+                           r"torch\.distributed"):
+            guard.attach(First(), policy=POLICY, vocab_size=REAL)
+    finally:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
