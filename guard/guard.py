@@ -25,6 +25,7 @@ from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
 from guard.stateful import Finding
 from guard.step.clock import Steps
+from guard.step.resume import Resumable
 from guard.vocab.resolve import resolve
 from guard.vocab.sizes import Audit
 from guard.vocab.stage import Stage, stage_heads, stage_of
@@ -38,8 +39,9 @@ log = logging.getLogger("guard")
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Guard]] = weakref.WeakKeyDictionary()
 
 
-class Guard:
-    """A guard attached to one model; see `attach`."""
+class Guard(Resumable):
+    """A guard attached to one model; see `attach`. `state_dict()` / `load_state_dict()`:
+    guard/step/resume.py."""
 
     def __init__(self, parts: Parts) -> None:
         self._parts = parts

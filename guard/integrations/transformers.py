@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import LogitsProcessor, Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 import guard
 from guard.errors import AttachError
@@ -41,6 +42,9 @@ from guard.integrations.common import GuardedTraining
 __all__ = ["GuardCallback", "PaddingMaskLogitsProcessor", "guard_trainer"]
 
 log = logging.getLogger("guard")
+
+# The attribute under which state() saves the guard's state in trainer_state.json.
+_SAVED = "guard_state"
 
 
 def guard_trainer(trainer: Trainer, policy: Any = None, **attach_kwargs: Any) -> GuardCallback:
@@ -60,7 +64,7 @@ def guard_trainer(trainer: Trainer, policy: Any = None, **attach_kwargs: Any) ->
     return callback
 
 
-class GuardCallback(GuardedTraining, TrainerCallback):
+class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
     """Attaches a guard at train begin and detaches it at train end.
 
     The model, the optimizer (its step pre-hook is the step boundary) and, unless `tokenizer`,
@@ -69,7 +73,10 @@ class GuardCallback(GuardedTraining, TrainerCallback):
     the guard's model hook picks up. `label_smoothing_factor` over a head with padding rows is
     refused at train begin (it smooths over the padding columns). The guard's figures
     (`figures()`) go into the Trainer's logs at each log of a training step. Put on a Trainer
-    with `guard_trainer`, it also reaches `report_to` and a `compute_loss_func`.
+    with `guard_trainer`, it also reaches `report_to` and a `compute_loss_func`. The guard's
+    state goes into each checkpoint's `trainer_state.json` (`state()`, the Trainer's stateful
+    callbacks) and `train(resume_from_checkpoint=...)` goes on from it (docs/integrations.md,
+    "Resuming a run").
     """
 
     _logged_at: int | None = None  # global_step of the last logs given the figures; None: off
@@ -110,6 +117,7 @@ class GuardCallback(GuardedTraining, TrainerCallback):
         g = self._attach(model, optimizer=optimizer, processing_class=processing_class,
                          loss_shares="sum" if sums else "last", loss_scale=scale)
         self._logged_at = -1
+        self._resume(g, state)
         if trainer is None:
             # Given as callbacks=[...]: a compute_loss_func's loss goes unseen, which coverage
             # reports at step 1; the reporters run first, which only this line can say.
@@ -122,6 +130,44 @@ class GuardCallback(GuardedTraining, TrainerCallback):
                 "(docs/integrations.md)", ", ".join(reporters) or "none here")
         elif loss_func is not None:
             self._feed_loss(trainer, loss_func, g)
+
+    def state(self) -> dict[str, Any]:
+        """What the Trainer saves of this callback in a checkpoint's trainer_state.json (on the
+        process that saves): the guard's state while it trains (Guard.state_dict(), plain
+        data). The Trainer also asks it before train begin, where it has none."""
+        g = self.guard if self._logged_at is not None else None  # _logged_at: None off training
+        return {"args": {}, "attributes": {} if g is None else {_SAVED: g.state_dict()}}
+
+    def _resume(self, g: guard.Guard, state: Any) -> None:
+        """At a train(resume_from_checkpoint=...) the Trainer's state is the checkpoint's: the
+        guard goes on from what `state()` saved there."""
+        if vars(self).get(_SAVED) is not None:
+            # restore_callback_states_from_checkpoint=True: the Trainer replaced the callback
+            # by one built with no arguments, and set what state() saved on it.
+            self._detach()
+            raise AttachError(
+                "GuardCallback: restore_callback_states_from_checkpoint=True rebuilt the "
+                "callback without its policy, tokenizer or Trainer; leave it False (the "
+                "default): the guard restores its own state from the checkpoint")
+        held_by = getattr(state, "stateful_callbacks", None)
+        if not isinstance(held_by, dict):
+            return
+        # A checkpoint saved without this callback has no entry, where the Trainer's next save
+        # writes this callback's state (a KeyError there): the entry, until then empty.
+        saved = held_by.setdefault(type(self).__name__, {"args": {}, "attributes": {}})
+        saved = saved[0] if isinstance(saved, list) and saved else saved
+        held = saved.get("attributes", {}).get(_SAVED) if isinstance(saved, dict) else None
+        if state.global_step < 1:
+            return
+        if held is None:
+            log.warning("guard: resuming at step %d from a checkpoint without the guard's "
+                        "state: its loss window and counters start empty", state.global_step)
+            return
+        try:
+            g.load_state_dict(held)
+        except Exception:
+            self._detach()
+            raise
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:

@@ -110,6 +110,9 @@ class Record:
         self.sinks: list[Sink] = []
         self.halted: str | None = None
         self._stats = empty_stats()
+        # The names of g.stats that add up (counts, counts per kind), as against gauges.
+        self.counted = {k for k, v in self._stats.items()
+                         if isinstance(v, Mapping) and k != "violations"} | {"skipped_steps"}
         self._violations: dict[str, Counter[str]] = {}
         self._events: list[Event] = []
         self._once: set[str] = set()  # keys of violations reported already
@@ -139,7 +142,9 @@ class Record:
                 s[name] = dict(value)
             elif isinstance(value, Total):  # a count: added up, from the first reported
                 s[name] = (s.get(name) or 0) + value
+                self.counted.add(name)
             elif isinstance(value, Mapping):
+                self.counted.add(name)
                 held = s.setdefault(name, {})
                 for kind, n in value.items():
                     held[kind] = held.get(kind, 0) + n
@@ -167,6 +172,28 @@ class Record:
         """An event for the next report that is not a violation of its own (no count)."""
         log.warning("%s", n.message)
         self._events.append(_event(n))
+
+    def totals(self) -> dict[str, Any]:
+        """What adds up since attach (counts, counts per kind, `violations`), as plain data."""
+        out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in self._stats.items()
+               if k in self.counted and v is not None}
+        return {**out, "violations": {c: dict(a) for c, a in self._violations.items()}}
+
+    def add_totals(self, totals: Mapping[str, Any], step: int) -> None:
+        """A resumed run's `totals()` added to this attach's, from step `step` on (checked by
+        guard/step/resume.py)."""
+        self._stats["step"] = step
+        for name, value in totals.items():
+            if name == "violations":
+                for check, actions in value.items():
+                    self._violations.setdefault(check, Counter()).update(actions)
+            elif isinstance(value, Mapping):
+                held = self._stats.setdefault(name, {})
+                for kind, n in value.items():
+                    held[kind] = held.get(kind, 0) + n
+            else:
+                self._stats[name] = (self._stats.get(name) or 0) + value
+            self.counted.add(name)
 
     def skipped(self) -> None:
         self._stats["skipped_steps"] += 1
