@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from guard_server.testing import free_port, prometheus_binary, run_prometheus
+from tests import served
 from tests.dashboards.queries import ALERT_RULES, ROOT
 
 pytestmark = pytest.mark.prometheus
@@ -53,27 +53,9 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture
 def guard_serve(tmp_path: Path) -> Iterator[str]:
-    """`guard serve --port N`, as docs/operate.md runs it; its base URL once it answers."""
-    port = free_port()
-    command = [str(Path(sys.executable).parent / "guard"), "serve", "--port", str(port)]
-    log = tmp_path / "guard-serve.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(command, env=_env(), stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+    """`guard serve --port N`; its base URL once it answers."""
+    with served.guard_serve(["--port", "{port}"], _env(), tmp_path / "guard-serve.log") as url:
         yield url
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 def _trainer(name: str, stop: Path, *specs: str) -> subprocess.Popen[bytes]:

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
-from guard_server.testing import free_port, prometheus_binary, run_prometheus
+from guard_server.testing import prometheus_binary, run_prometheus
 from tests.dashboards.conftest import Run
 from tests.dashboards.live import loaded_alerts
 from tests.dashboards.queries import (
@@ -31,6 +27,7 @@ from tests.dashboards.queries import (
     metric_names,
 )
 from tests.dashboards.test_live_silent import _env
+from tests.served import guard_serve
 
 DOC = ROOT / "docs/operate.md"
 CONFIG = ROOT / "deploy/existing/prometheus.yml"
@@ -60,28 +57,10 @@ def test_the_documented_server_command_is_the_one_tested() -> None:
 @pytest.fixture
 def documented_server(tmp_path: Path) -> Iterator[str]:
     """The page's command, on a free port, with a token; its loopback URL once it answers."""
-    port = free_port()
-    args = COMMAND.replace("9400", str(port)).split()[1:]
-    log = tmp_path / "guard-serve.log"
+    args = COMMAND.replace("9400", "{port}").split()[2:]
     env = _env() | {"GUARD_TOKEN": "operate-test-token"}
-    with log.open("wb") as out:
-        server = subprocess.Popen([str(Path(sys.executable).parent / "guard"), *args], env=env,
-                                  stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+    with guard_serve(args, env, tmp_path / "guard-serve.log") as url:
         yield url
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 @pytest.mark.prometheus
