@@ -15,6 +15,7 @@ import guard
 from guard.demo.data import Corpus
 from guard.demo.model import GPT
 from guard.demo.scenarios import REAL
+from guard.device.hooks import hook
 
 __all__ = ["ArmResult", "Detectors", "bound", "generated_padding_ids", "largest_spike", "train"]
 
@@ -66,7 +67,7 @@ class _MassBeforeMask:
 
     def __init__(self, head: torch.nn.Module) -> None:
         self.mass: torch.Tensor | None = None
-        self.handle = head.register_forward_hook(self._hook, prepend=True)
+        self.handle = hook(head, self._hook, kind="forward", prepend=True)
 
     def _hook(self, module: torch.nn.Module, args: object, logits: torch.Tensor) -> None:
         with torch.no_grad():

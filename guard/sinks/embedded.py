@@ -40,7 +40,7 @@ class EmbeddedSink:
             # The final report is stored: where Prometheus scrapes this endpoint, it reads it
             # once more, so the rank ends finished there rather than gone (GuardRankSilent).
             if self.server.last_scrape() is False:
-                log.info("guard: no scrape of %s came after the last report; Prometheus may "
+                log.info("no scrape of %s came after the last report; Prometheus may "
                          "not have seen this rank finish", self.metrics_url)
             self.server.stop(timeout)
 
