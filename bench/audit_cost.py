@@ -1,7 +1,7 @@
 """What `guard audit` costs on a Llama-3-sized embedding: 128256 x 4096 bfloat16 (1 GiB), its
 last 256 rows zero as Llama-3 base's reserved tokens, written as one safetensors file; the
 untrained rows are read a block at a time and measured with numpy
-(guard/vocab/safetensors_untrained.py).
+(guard/checkpoint/safetensors_untrained.py).
 
     python bench/audit_cost.py [--rows 128256] [--hidden 4096] [--dir /tmp/audit-cost]
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from guard.vocab.safetensors_untrained import untrained_stats
+from guard.checkpoint.safetensors_untrained import untrained_stats
 
 
 def write(d: Path, rows: int, hidden: int, reserved: int) -> None:

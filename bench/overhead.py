@@ -8,6 +8,7 @@ median step time (forward, backward, AdamW) of each arm over the baseline's medi
     python bench/overhead.py --device cuda --n-embd 768 --n-layer 12 --batch 8 --block 1024
     python bench/overhead.py --write docs/benchmarks.md
     python bench/overhead.py --sweep --write docs/benchmarks.md   # the vocabulary sweep
+    python bench/overhead.py --arms baseline,default --clip 1.0  # every arm clips, as HF does
 
 Arms: default policy, mask, all checks warn, exact padding mass, the default policy reading
 before each update (`sync-fail`: `cadence.fail_read: before_update`, today's synchronous fail),
@@ -104,12 +105,15 @@ class Arm:
             return torch.autograd.detect_anomaly(check_nan=True)
         return contextlib.nullcontext()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None]) -> None:
+    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None],
+             clip: float | None = None) -> None:
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
         with self.context():
             _, loss = self.model(x, y)
             loss.backward()
+        if clip is not None:  # the HF Trainer's default loop: clip, then step
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         sync()
@@ -141,7 +145,7 @@ def run_interleaved(args: argparse.Namespace, names: list[str], real: int = REAL
     for i, (x, y) in enumerate(data):
         order = arms if i % 2 == 0 else arms[::-1]  # alternate who goes first
         for arm in order:
-            arm.step(x, y, sync)
+            arm.step(x, y, sync, args.clip)
         if i == args.warmup - 1:
             for arm in arms:
                 arm.times.clear()
@@ -238,6 +242,9 @@ def main() -> None:
                    "ratio the work's alone, without threads waiting for each other")
     p.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="every arm clips its gradients (clip_grad_norm_) before the update, "
+                   "as the HF Trainer does by default (1.0)")
     p.add_argument("--sweep", action="store_true",
                    help="the vocabulary sweep on a head-dominated model (arms: --arms, "
                    "default: baseline,default)")

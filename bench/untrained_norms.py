@@ -5,7 +5,7 @@ resize, the trained mean a repair writes) and in rows no training reached (weigh
     python bench/untrained_norms.py [--steps 300]
 
 Prints one table row per case: the smallest and largest ratio over its rows, and what the
-guard's rules find in it (guard/device/untrained_rules.py, the default policy).
+guard's rules find in it (guard/weights/features.py, the default policy).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import argparse
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from guard.device.sharded import RowShard
-from guard.device.untrained_rules import classify, row_features
 from guard.policy import UntrainedRowsCheck
+from guard.weights.features import classify, row_features
+from guard.weights.sharded import RowShard
 
 RULES = UntrainedRowsCheck()
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 if _TYPE_CHECKING:
     from guard.device.loss import LossShares
     from guard.device.ops import mask_padding, padding_mass
-    from guard.errors import AttachError, GuardError, GuardViolation, PolicyError
+    from guard.errors import AttachError, GuardError, GuardViolation, PolicyError, StateError
     from guard.guard import Guard, attach
     from guard.policy import Policy
     from guard.policy_file import load_policy
@@ -30,6 +30,7 @@ __all__ = [
     "LossShares",
     "Policy",
     "PolicyError",
+    "StateError",
     "Steps",
     "attach",
     "audit",
@@ -51,6 +52,7 @@ _WHERE = {
     "LossShares": "guard.device.loss",
     "Policy": "guard.policy",
     "PolicyError": "guard.errors",
+    "StateError": "guard.errors",
     "Steps": "guard.step.clock",
     "attach": "guard.guard",
     "audit": "guard.vocab.resolve",

@@ -77,7 +77,7 @@ def check_arguments(model: object,
     shares: LossShares = loss_shares or ("mean" if unwrapped.accumulation > 1 else "last")
     check_loss_options(shares, loss_scale)
     if loss_shares is None and shares == "mean":
-        log.info("guard: %s accumulates gradients over %d micro-batches: the step's loss is "
+        log.info("%s accumulates gradients over %d micro-batches: the step's loss is "
                  "their mean (loss_shares='mean')", unwrapped.wrapper, unwrapped.accumulation)
     rank, local_rank = _rank_of_process()
     return Arguments(pol, inside.model, inside.caller, inside.wrappers, unwrapped.optimizer,

@@ -124,9 +124,9 @@ def _audit(sub: Subparsers) -> None:
 def _run_audit(args: argparse.Namespace) -> int:
     import json
 
+    from guard.checkpoint_audit import audit_checkpoint
     from guard.errors import CheckpointError
     from guard.quote import quote, shown
-    from guard.vocab.checkpoint import audit_checkpoint
 
     for flag, n in (("--tensor-parallel", args.tensor_parallel),
                     ("--pad-multiple", args.pad_multiple), ("--vocab-size", args.vocab_size)):

@@ -1,18 +1,18 @@
 """Numbers that more than one part of the guard reads, each with where it comes from. Imports
 nothing: the policy takes its defaults from here, and `guard audit` reads the same numbers
-without torch or the server's wire (guard/vocab/untrained_rules.py)."""
+without torch or the server's wire (guard/checkpoint/untrained_rules.py)."""
 
 from __future__ import annotations
 
 __all__ = ["DUPLICATES", "EPSILON", "MAX_EPSILON", "MAX_IDS", "NORM_RATIO"]
 
 # Token ids are unsigned 32-bit in the tokenizers library and in every checkpoint format read
-# (guard/vocab/tokenizer_files.py): a vocabulary has at most this many ids, a weight as many
+# (guard/checkpoint/tokenizer_files.py): a vocabulary has at most this many ids, a weight as many
 # rows that matter.
 MAX_IDS = 2**32
 
 # -- untrained_rows: when a row of the real vocab counts as never trained ---------------------
-# The rules themselves: guard/vocab/untrained_rules.py; the measurements: docs/checks.md.
+# The rules themselves: guard/checkpoint/untrained_rules.py; the measurements: docs/checks.md.
 
 # Unsloth's bound (fix_untrained_tokens). Llama-3 base's reserved rows hold 0, or ~1e-23 in
 # bfloat16 (it keeps float32's exponent); a trained row's values are 1e-3..1, and no optimizer

@@ -4,12 +4,14 @@
      ├── PolicyError(ValueError)      a policy file or dict is invalid
      ├── AttachError                  the guard cannot attach to this model
      ├── CheckpointError(ValueError)  `guard audit` cannot read a model directory
+     ├── StateError(ValueError)       a saved guard state does not fit this guard
      └── GuardViolation(RuntimeError) a check with action `fail` fired
 """
 
 from __future__ import annotations
 
-__all__ = ["AttachError", "CheckpointError", "GuardError", "GuardViolation", "PolicyError"]
+__all__ = ["AttachError", "CheckpointError", "GuardError", "GuardViolation", "PolicyError",
+           "StateError"]
 
 
 class GuardError(Exception):
@@ -37,6 +39,16 @@ class CheckpointError(GuardError, ValueError):
         self.path = path
         self.expected = expected
         super().__init__(f"{path}: {expected}")
+
+
+class StateError(GuardError, ValueError):
+    """`Guard.load_state_dict` was given a state this guard cannot go on from (another model,
+    another policy, a newer guard's); `.field` names the field of the state."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"guard state: {field}: {problem}")
 
 
 class GuardViolation(GuardError, RuntimeError):

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from guard.arguments import check_arguments
+from guard.checks.padding_mass import mask_note
 from guard.device.hooks import Handle, hook
 from guard.device.loss import LossShares
+from guard.device.pipeline import quiet_inference
 from guard.device.probe import mask_hook
-from guard.device.sharded import register_sharded
 from guard.errors import AttachError, GuardViolation
 from guard.parts import Parts
 from guard.policy import Action, Policy
@@ -25,9 +26,11 @@ from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
 from guard.stateful import Finding
 from guard.step.clock import Steps
+from guard.step.resume import Resumable
 from guard.vocab.resolve import resolve
 from guard.vocab.sizes import Audit
 from guard.vocab.stage import Stage, stage_heads, stage_of
+from guard.weights.sharded import register_sharded
 
 __all__ = ["Guard", "attach"]
 
@@ -38,8 +41,9 @@ log = logging.getLogger("guard")
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Guard]] = weakref.WeakKeyDictionary()
 
 
-class Guard:
-    """A guard attached to one model; see `attach`."""
+class Guard(Resumable):
+    """A guard attached to one model; see `attach`. `state_dict()` / `load_state_dict()`:
+    guard/step/resume.py."""
 
     def __init__(self, parts: Parts) -> None:
         self._parts = parts
@@ -289,10 +293,13 @@ def attach(
                           tokenizer=tokenizer, scaled=scaler is not None and scaler.is_enabled(),
                           caller=a.caller, outer=a.outer, stage=stage))
     g._open(a.local_rank)
+    if model is not inner:  # torch's PipelineStage: its shape inference is no training step
+        g._parts.handles.append(quiet_inference(model, a.model, g._parts.probe))
     inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
     tp = sizes.tp
     shard = "" if tp is None else (f"; this rank's head columns are the ids [{tp.start}, "
                                    f"{tp.end}) of {tp.rows} ({tp.source}, {tp.degree} ranks)")
-    log.info("guard attached to %s / %s%s: %s%s", heads.embedding_name, heads.lm_head_name,
-             inside, str(sizes.audit).splitlines()[0], shard)
+    note = mask_note(a.policy, sizes.real, sizes.rows) if tp is None and stage is None else ""
+    log.info("attached to %s / %s%s: %s%s%s", heads.embedding_name, heads.lm_head_name,
+             inside, str(sizes.audit).splitlines()[0], shard, note)
     return g

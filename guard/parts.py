@@ -11,14 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from guard.checks import padding_mass
 from guard.device.compile import drop_compiled
 from guard.device.hooks import Handle
 from guard.device.loss import LossShares
-from guard.device.masters import Masters, lasting
 from guard.device.probe import Probe
-from guard.device.rows import vocab_weights
 from guard.policy import Policy
 from guard.stateful import Attaching, CheckState, attach_states
+from guard.stateful.lasting import lasting
 from guard.step.clock import StepClock, Steps
 from guard.step.episodes import Episodes
 from guard.step.reader import Names, Reader
@@ -28,6 +28,8 @@ from guard.step.verdict import Note, attach_verdict
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
 from guard.vocab.stage import Stage
+from guard.weights.masters import Masters
+from guard.weights.vocab import vocab_weights
 
 __all__ = ["Parts"]
 
@@ -74,6 +76,7 @@ class Parts:
         states = attach_states(Attaching(policy, probe.flags, heads, sizes, model, rank,
                                          tokenizer, optimizer, scaled, caller, stage))
         record = Record.from_policy(policy, sizes.audit, rank)
+        record.mass_bound = padding_mass.reported_bound(policy, *sizes.mass_over)
         caller = model if caller is None else caller
         episodes = Episodes.from_policy(policy, caller)  # re-runs what was called
         reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)
@@ -95,6 +98,8 @@ class Parts:
         if (error := verdict.error()) is not None:
             raise error
         self.handles += self.probe.install(self.model, self.heads, self.states, self.caller)
+        for state in self.states:
+            self.handles += state.install()
         self.handles += self.clock.install(self.caller, self.optimizer)
         if self.episodes is not None and self.optimizer is not None:
             self.handles += self.episodes.install(self.probe)
@@ -106,7 +111,7 @@ class Parts:
         for state in self.states:
             state.after_attach(self.model)
         if drop_compiled():
-            log.info("guard: dropped torch.compile's cached graphs, which may run this model "
+            log.info("dropped torch.compile's cached graphs, which may run this model "
                      "traced without the guard's hooks; each compiled function recompiles once")
 
     def remove(self) -> None:

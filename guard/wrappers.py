@@ -114,7 +114,7 @@ def _forwarded_to(module: nn.Module) -> nn.Module | None:
     children = list(module.named_children())
     if len(children) == 1:
         name, child = children[0]
-        log.info("guard: %s (forward(*args, **kwargs), one child) is taken for a wrapper: the "
+        log.info("%s (forward(*args, **kwargs), one child) is taken for a wrapper: the "
                  "guard hooks its child %r (%s)", type(module).__name__, name,
                  type(child).__name__)
         return child
@@ -178,7 +178,7 @@ def _warn_inside(model: nn.Module) -> None:
     tuner = getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTuner", None)
     if getattr(model, "peft_config", None) is not None and isinstance(tuner, type) \
             and _calls_forward_of(tuner):
-        log.warning("guard: %s holds PEFT adapters, and this PEFT's tuner calls its forward "
+        log.warning("%s holds PEFT adapters, and this PEFT's tuner calls its forward "
                     "method directly, past the guard's hooks: called through the PeftModel, "
                     "the guard sees neither the labels nor the loss. Attach to the PeftModel "
                     "(what get_peft_model returned) instead", type(model).__name__)

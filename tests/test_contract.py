@@ -71,6 +71,17 @@ def test_a_healthy_rank_under_the_default_policy_has_the_typical_series() -> Non
         opt.step()
     (report,) = sink.batch().reports[:1]
     assert series_of(report) == TYPICAL_SERIES_PER_RANK
+    # Every enabled check (all, by default) is on the first report at 0: its violations series
+    # is there from the start (docs/metrics.md, held in tests/test_doc_figures.py).
+    from guard_server.wire import CHECKS
+
+    assert set(report.violations) == set(CHECKS)
+    assert all(n == 0 for by_action in report.violations.values() for n in by_action.values())
+    # The bound the padding mass is judged against travels with it (the page shows both).
+    from guard.checks.padding_mass import bound
+    from guard.policy import Policy
+
+    assert report.padding_mass_bound == bound(Policy(), 100, 128)
 
 
 def test_the_label_values_are_declared_once_on_the_wire() -> None:

@@ -57,7 +57,7 @@ def test_guard_serve_and_audit_start_without_torch() -> None:
              "guard_server.create_app(guard_server.Settings())\n")
     assert "torch" not in imported_after(serve)
     assert "guard_server.app" in imported_after(serve)
-    assert imported_after("import guard.cli, guard.vocab.checkpoint") == set()
+    assert imported_after("import guard.cli, guard.checkpoint_audit") == set()
 
 
 def test_guard_lazy_names_are_the_real_objects() -> None:

@@ -12,12 +12,13 @@ from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats
 from guard.policy import Policy
 from guard_server.wire import TENSORS, TensorKind
 
-__all__ = ["FORWARD", "GRAD", "GRAD_SEEN", "HIDDEN", "LOGITS", "LOSS", "SLOTS", "SPEC",
-           "Nonfinite"]
+__all__ = ["FORWARD", "GRAD", "GRAD_SEEN", "HIDDEN", "LOGITS", "LOSS", "LOSS_INF", "SLOTS",
+           "SPEC", "Nonfinite"]
 
 HIDDEN = Slot("nonfinite.hidden")  # positions whose lm_head input holds a NaN/Inf
 LOGITS = Slot("nonfinite.logits")  # positions whose real-vocab logits hold a NaN or +Inf
 LOSS = Slot("nonfinite.loss")  # non-finite losses
+LOSS_INF = Slot("nonfinite.loss_inf")  # of those, +inf ones (not NaN): names the cause
 GRAD = Slot("nonfinite.grad")  # parameters whose gradient holds a NaN/Inf, before the update
 GRAD_SEEN = Slot("nonfinite.grad_seen", "max")  # 1 when the window's gradients were checked
 # Per tensor (the wire's TensorKind), in the order of the message: cause first (the backward
@@ -37,11 +38,12 @@ _NAMES: Mapping[TensorKind, str] = {"hidden": "{n} positions in the lm_head inpu
 class Nonfinite:
     # Per tensor, cause first; "grad" only where the window's gradients were checked.
     counts: Mapping[TensorKind, int]
+    inf_losses: int = 0  # of the non-finite losses, those that are +inf
 
 
 def _figures(raw: Raw) -> Nonfinite:
     return Nonfinite({k: int(raw[slot]) for k, slot in SLOTS.items()
-                      if k != "grad" or raw[GRAD_SEEN]})
+                      if k != "grad" or raw[GRAD_SEEN]}, int(raw[LOSS_INF]))
 
 
 def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
@@ -89,7 +91,15 @@ def _why(f: Nonfinite, c: Context) -> str:
                 f"[{c.real}, {c.rows}) (highest {ids.max_id}), whose logits the mask sets to "
                 "-inf (see token_range): fix the labels, or give the real vocab that has these "
                 "ids" + (f"; for the {' and the '.join(rest)}, {_weights(c)}" if rest else ""))
-    if c.glob[coverage.SPEC].blind["labels"] > 0:
+    blind = c.glob[coverage.SPEC].blind["labels"] > 0
+    if f.inf_losses > 0:
+        # Labels in range, or unseen: the usual +inf under the mask is a loss over every column
+        # (label smoothing, a KL to a full distribution), whose padding columns are -inf.
+        return (f"the loss is inf: a loss over every column with the padding columns masked to "
+                f"-inf (label smoothing?): compute it over logits[..., :{c.real}]"
+                + (f"; or a label in [{c.real}, {c.rows}): this step's labels were not checked "
+                   "(see coverage)" if blind else "") + grads)
+    if blind:
         return (f"this step's labels were not checked (token_range is off, or they did not "
                 f"reach the guarded forward: see coverage), and a label in [{c.real}, "
                 f"{c.rows}) makes the loss +inf under the mask: look at the labels first; "
@@ -105,5 +115,5 @@ def _describe(f: Nonfinite, c: Context) -> Found:
         f"NaN/Inf values: {seen}; expected none; {c.next}. {why[0].upper()}{why[1:]}."))
 
 
-SPEC = Spec("nonfinite", (*SLOTS.values(), GRAD_SEEN), _figures, _thresholds,
+SPEC = Spec("nonfinite", (*SLOTS.values(), LOSS_INF, GRAD_SEEN), _figures, _thresholds,
             ("logits", "loss"), _stats, _describe)

@@ -12,6 +12,7 @@ loss computed where the mask cannot reach (a fused kernel that reads the head's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec, Stats, fmt
 from guard.policy import Policy
 
 __all__ = ["COUNT", "FUSED", "LOSS_MAX", "LSE_MAX", "LSE_SHIFT", "LSE_SUM", "MAX", "SPEC", "SUM",
-           "PaddingMass", "bound"]
+           "PaddingMass", "bound", "mask_note", "reported_bound"]
 
 SUM = Slot("padding_mass.sum")  # the masses of the sampled positions, summed
 COUNT = Slot("padding_mass.count")  # positions sampled
@@ -60,6 +61,15 @@ def bound(policy: Policy, real: int, columns: int) -> float:
         return float("inf")
     # m / P per padding column = excess * (1 - m) / N per real id  <=>  m = eP / (N + eP)
     return c.excess * padding / (real + c.excess * padding)
+
+
+def reported_bound(policy: Policy, real: int, columns: int) -> float | None:
+    """The bound as the reports carry it (padding_mass_bound, beside the mass): None when the
+    check is off or there is no padding column (no bound)."""
+    if not policy.enabled("padding_mass"):
+        return None
+    limit = bound(policy, real, columns)
+    return limit if math.isfinite(limit) else None
 
 
 def _figures(raw: Raw) -> PaddingMass:
@@ -104,6 +114,14 @@ def _describe(f: PaddingMass, c: Context) -> Found:
         f"the loss trained on {fmt(top)} of the probability (mean {fmt(mean)}) on the "
         f"{c.rows - c.real} padding columns [{c.real}, {c.rows}){of}: {expected}; {c.next}. "
         f"{fix}"))
+
+
+def mask_note(policy: Policy, real: int, rows: int) -> str:
+    """What attach says under the mask of a loss over every column (a loop of one's own)."""
+    if not policy.masks or real >= rows:
+        return ""
+    return (f"; padding_mass: mask sets the padding columns [{real}, {rows}) to -inf, so a loss "
+            f"over every column (label smoothing) is inf: compute it over logits[..., :{real}]")
 
 
 SPEC = Spec("padding_mass", (SUM, COUNT, MAX, LOSS_MAX, FUSED, LSE_SUM, LSE_MAX),

@@ -159,6 +159,8 @@ def fmt(x: float) -> str:
 
 
 def listed(counts: Mapping[K, int], each: str, sep: str) -> tuple[str, float]:
-    """The non-zero counts as text (`each` formats one, with {n} and {k}) and their total."""
+    """The non-zero counts as text (`each` formats one, with {n}, {k} and {s}: "" for one,
+    "s" for more, so "{n} {k} id{s}" says "1 label id", "2 label ids") and their total."""
     parts = [(k, n) for k, n in counts.items() if n > 0]
-    return sep.join(each.format(n=n, k=k) for k, n in parts), float(sum(n for _, n in parts))
+    return (sep.join(each.format(n=n, k=k, s="" if n == 1 else "s") for k, n in parts),
+            float(sum(n for _, n in parts)))

@@ -60,12 +60,13 @@ def _stats(f: TokenRange) -> Stats:
 
 
 def _describe(f: TokenRange, c: Context) -> Found:
-    seen, total = listed(f.counts, "{n} {k} ids", " and ")
+    seen, total = listed(f.counts, "{n} {k} id{s}", " and ")
     ignore = c.policy.checks.token_range.ignore_index
     exempt = "" if ignore is None else f" (ignore index {ignore} exempt)"
     why = []
     if (neg := f.negative_labels) > 0:
-        why.append(f"{neg} labels are negative: if they mark positions to ignore, set "
+        why.append(f"{neg} label{'' if neg == 1 else 's'} {'is' if neg == 1 else 'are'} "
+                   "negative: if they mark positions to ignore, set "
                    "checks.token_range.ignore_index to their value (nanoGPT ignores -1: "
                    "ignore_index: -1)")
     if c.real <= (top := f.max_id) < c.rows and c.real_from == "len(tokenizer)":

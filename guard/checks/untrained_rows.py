@@ -1,5 +1,5 @@
 """untrained_rows: rows of the real vocabulary [0, real) that were never trained (the rules:
-guard/vocab/untrained_rules.py), and the input ids and labels that fall on them in a step. Its
+guard/checkpoint/untrained_rules.py), and the input ids and labels that fall on them in a step. Its
 state (guard/stateful/untrained_rows.py) finds the rows at attach, counts the ids with lookup
 tables on the device (guard/device/untrained_tables.py), repairs the rows and names the ids."""
 
@@ -63,8 +63,8 @@ def _then(action: Action) -> str:
 
 
 def _describe(f: UntrainedFigures, c: Context) -> Found:
-    seen, total = listed({("labels" if k == "label" else "input ids"): n
-                          for k, n in f.counts.items()}, "{n} {k}", " and ")
+    seen, total = listed({("label" if k == "label" else "input id"): n
+                          for k, n in f.counts.items()}, "{n} {k}{s}", " and ")
     which = c.detail or "the ids named when they were first used"
     kind = "+".join(k for k, n in f.counts.items() if n > 0)
     return Found(total, 0.0, kind=kind, text=(

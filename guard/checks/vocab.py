@@ -10,25 +10,37 @@ from dataclasses import dataclass
 from guard.checks.spec import Context, Found, Raw, Setup, Slot, Spec
 from guard.policy import Policy
 
-__all__ = ["SPEC", "UNTIED", "Vocab"]
+__all__ = ["DRIFTED", "SPEC", "UNTIED", "Vocab"]
 
 UNTIED = Slot("vocab.untied", "max")  # 1 when the tie of attach is broken
+# 1 when two tied copies on two pipeline stages differ (guard/stateful/tie_across.py)
+DRIFTED = Slot("vocab.drifted", "max")
 
 
 @dataclass(frozen=True)
 class Vocab:
     untied: bool
+    drifted: bool = False
 
 
 def _figures(raw: Raw) -> Vocab:
-    return Vocab(raw[UNTIED] > 0)
+    return Vocab(raw[UNTIED] > 0, raw[DRIFTED] > 0)
 
 
 def _thresholds(policy: Policy, setup: Setup) -> Mapping[Slot, float]:
-    return {UNTIED: 0.0}
+    return {UNTIED: 0.0, DRIFTED: 0.0}
 
 
 def _describe(f: Vocab, c: Context) -> Found:
+    if f.drifted and not f.untied:
+        return Found(1.0, 0.0, once="drifted", kind="drifted", text=(
+            f"the tied copies of the token embedding and the lm_head on two pipeline stages "
+            f"no longer agree: {c.detail or 'their rows differ'}; expected them equal (the "
+            "framework syncs them at start-up and all-reduces their gradients each step: a "
+            "meta-device init that skipped the sync, two optimizers updating the copies "
+            f"differently, or a resume that loaded one copy); {c.next}. Copy one into the "
+            "other (Megatron: the embedding group's sync at start-up) and resume from a "
+            "checkpoint saved before the drift."))
     weights = c.detail or "the embedding's and the head's weights"
     return Found(1.0, 0.0, once="untied", kind="untied", text=(
         f"{weights} were one tied weight at attach and are two now: one of them was "
@@ -39,4 +51,4 @@ def _describe(f: Vocab, c: Context) -> Found:
         "them on purpose (tie_word_embeddings=False) and attach again."))
 
 
-SPEC = Spec("vocab", (UNTIED,), _figures, _thresholds, describe=_describe)
+SPEC = Spec("vocab", (UNTIED, DRIFTED), _figures, _thresholds, describe=_describe)

@@ -15,6 +15,7 @@ import guard
 from guard.demo.data import Corpus
 from guard.demo.model import GPT
 from guard.demo.scenarios import REAL
+from guard.device.hooks import hook
 
 __all__ = ["ArmResult", "Detectors", "bound", "generated_padding_ids", "largest_spike", "train"]
 
@@ -29,7 +30,9 @@ class ArmResult:
 
     name: str
     losses: list[float] = field(default_factory=list)
-    padding_mass: list[float] = field(default_factory=list)  # the model's softmax, per step
+    # The softmax mass on the padding columns per step, before any mask: measured on the
+    # head's output ahead of the guard's own hook (the figure the README defines).
+    padding_mass: list[float] = field(default_factory=list)
     noticed: int | None = None  # first step at which this arm's detector fired
     # Guarded arms: padding_mass violations (the loss trained on ghost classes), and the reads
     # whose padding mass before the mask was over the policy's bound (a figure).
@@ -57,10 +60,25 @@ class Detectors:
     anomaly: ArmResult
 
 
-def _padding_mass(logits: torch.Tensor) -> float:
-    with torch.no_grad():
-        p = torch.softmax(logits.detach().float(), dim=-1)
-        return float(p[..., REAL:].sum(-1).mean()) if p.shape[-1] > REAL else 0.0
+class _MassBeforeMask:
+    """The padding mass of the head's output, taken by a forward hook that runs before the
+    guard's (prepend): what the guard's mask does after it is not seen. Device ops in the
+    hook; read at the step boundary."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        self.mass: torch.Tensor | None = None
+        self.handle = hook(head, self._hook, kind="forward", prepend=True)
+
+    def _hook(self, module: torch.nn.Module, args: object, logits: torch.Tensor) -> None:
+        with torch.no_grad():
+            if logits.shape[-1] <= REAL:
+                self.mass = None
+                return
+            p = torch.softmax(logits.detach().float(), dim=-1)
+            self.mass = p[..., REAL:].sum(-1).mean()
+
+    def read(self) -> float:
+        return 0.0 if self.mass is None else float(self.mass)
 
 
 def train(arm: ArmResult, model: GPT, opt: torch.optim.Optimizer, corpus: Corpus, steps: int,
@@ -69,13 +87,14 @@ def train(arm: ArmResult, model: GPT, opt: torch.optim.Optimizer, corpus: Corpus
     """Train `steps` steps; a guard's `fail` ends the arm with its message."""
     start = time.perf_counter()
     model.train()
+    probe = _MassBeforeMask(model.lm_head)
     try:
         for step in range(1, steps + 1):
             x, y = corpus.batch(step, BATCH, BLOCK)
-            logits, loss = model(x.to(device), y.to(device))
+            _, loss = model(x.to(device), y.to(device))
             assert loss is not None
             arm.losses.append(float(loss.detach()))  # the demo's own log, not the guard's
-            arm.padding_mass.append(_padding_mass(logits))
+            arm.padding_mass.append(probe.read())
             if detectors is not None:
                 _observe(detectors, step, loss)
             else:
@@ -90,6 +109,7 @@ def train(arm: ArmResult, model: GPT, opt: torch.optim.Optimizer, corpus: Corpus
         arm.violations = (arm.violations or 0) + 1
         arm.verdict = f"stopped at step {e.step}: {e}"
     finally:
+        probe.handle.remove()
         arm.seconds = time.perf_counter() - start
 
 

@@ -64,7 +64,7 @@ def plot(arms: list[ArmResult], scenario: Scenario, path: Path) -> Path:
     loss_ax.set_yscale("log")
     mass_ax.set_yscale("log")
     loss_ax.set_ylabel("training loss")
-    mass_ax.set_ylabel("softmax mass on padding columns")
+    mass_ax.set_ylabel("padding mass, before any mask")
     mass_ax.set_xlabel("step")
     loss_ax.set_title(f"vocab {REAL} padded to {ROWS}: {scenario.name} scenario")
     loss_ax.legend(fontsize=8)

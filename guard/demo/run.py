@@ -27,22 +27,18 @@ from typing import Any
 import torch
 
 import guard
-from guard.demo.arms import (
-    GENERATED,
-    LR,
-    ArmResult,
-    Detectors,
-    generated_padding_ids,
-    largest_spike,
-    train,
-)
+from guard.demo.arms import GENERATED, LR, ArmResult, Detectors, bound, generated_padding_ids, train
 from guard.demo.data import Corpus
 from guard.demo.padded import build
 from guard.demo.plot import plot
 from guard.demo.scenarios import REAL, ROWS, SCENARIOS, Scenario
+from guard.demo.text import findings, mask_verdict, print_table
 from guard.sinks.embedded import EmbeddedSink, start_embedded
 
 __all__ = ["ArmResult", "run_demo"]
+
+
+EXCESS = 10.0  # checks.padding_mass.excess: the demo's policies keep the default
 
 
 def _policy(action: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -65,7 +61,9 @@ def _policy(action: str, args: argparse.Namespace) -> dict[str, Any]:
 def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    # To a file or a pipe (not a terminal) lines are not folded at rich's 80 columns there.
     console = Console()
+    console.soft_wrap = not console.is_terminal
     scenario = SCENARIOS[getattr(args, "scenario", "seed")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,19 +84,17 @@ def run_demo(args: argparse.Namespace) -> int:
     diff = max((abs(a - b) for a, b in zip(mask.losses, ref.losses, strict=False)),
                default=math.nan)
     table = [unguarded, detectors.nan_check, detectors.anomaly, fail, mask, ref]
-    _summary(console, table, ref, args.steps)
-    console.print(f"\n[bold]What the demo found:[/] {scenario.finding}")
-    step, before, at = largest_spike(unguarded, ref)
-    if step and at - before > 1.0:
-        console.print(f"Unguarded, in this run: a loss spike at step {step} ({before:.2f} -> "
-                      f"{at:.2f}) the reference does not have; at step {unguarded.steps_run} "
-                      f"the loss is {_fmt(unguarded.final_loss, '.3f')} against the "
-                      f"reference's {_fmt(ref.final_loss, '.3f')}, and no NaN/Inf check fired.")
+    _summary(console, table, args.steps, EXCESS)
+    limit = bound(REAL, ROWS, EXCESS)
+    said = findings(arms, detectors, limit, diff)
+    console.print("\n[bold]What this run shows:[/]\n" + "\n".join(said))
+    if scenario.searched:
+        console.print(f"(Not this run: {scenario.searched})")
     if fail.verdict.startswith("stopped"):
         console.print(f"\nThe guard's message (fail arm):\n  {fail.verdict.split(': ', 1)[1]}")
     png = plot(table, scenario, out / "losses.png")
     console.print(f"\nLoss and padding mass per arm, detectors marked: {png}")
-    _write_summary(out / "summary.json", scenario, table, diff)
+    _write_summary(out / "summary.json", scenario, table, diff, said)
     ok = _outcomes_ok(scenario, arms, detectors, diff)
     console.print("[green]demo: every outcome as expected[/]" if ok else
                   "[red]demo: an outcome differs from what the demo expects (see above)[/]")
@@ -155,31 +151,27 @@ def _run_arm(arm: ArmResult, args: argparse.Namespace, padded: Any, ref_model: A
     finally:
         if g is not None:
             g.detach()
-            arm.verdict = arm.verdict or _mask_verdict(arm)
+            arm.verdict = arm.verdict or mask_verdict(arm, EXCESS)
     if arm.name == "unguarded":
         arm.verdict = "nothing watches it"
     if arm.name == "reference":
         arm.verdict = "head over the real vocab only"
 
 
-def _mask_verdict(arm: ArmResult) -> str:
-    return (f"masked: padding mass over 10x healthy before the mask at {arm.over_bound} reads; "
-            f"{arm.violations or 0} violations: the loss never saw it")
-
-
 def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "-" if x is None else (format(x, spec) if math.isfinite(x) else str(x))
 
 
-def _summary(console: Any, arms: list[ArmResult], ref: ArmResult, steps: int) -> None:
+def _summary(console: Any, arms: list[ArmResult], steps: int, excess: float) -> None:
     from rich.table import Table
 
     t = Table(title=f"After {steps} steps (the NaN/Inf loss check and detect_anomaly watch "
                     "the unguarded run)")
     for col in ("arm", "noticed at step", "violations", f"loss @{steps}", "vs ref",
-                "padding mass step 1 / last", f"padding ids / {GENERATED}", "verdict"):
+                "padding mass before any mask, step 1 / last", f"padding ids / {GENERATED}",
+                "verdict"):
         t.add_column(col)
-    ref_loss = ref.final_loss
+    ref_loss = arms[-1].final_loss
     for a in arms:
         gap = None if a.final_loss is None or ref_loss is None else a.final_loss - ref_loss
         stopped = a.steps_run < steps
@@ -194,20 +186,21 @@ def _summary(console: Any, arms: list[ArmResult], ref: ArmResult, steps: int) ->
             "-" if a.padding_ids is None else str(a.padding_ids),
             a.verdict.split(": ", 1)[0],
         )
-    console.print(t)
-    console.print("Two levels: 'noticed' is the first read at which the padding mass before any "
-                  "mask was over 10x what healthy padding rows take (a figure the guard exports "
-                  "every step); 'violations' counts the steps the loss trained on it: fail "
-                  "stops at the first, mask keeps it out of the loss (none).")
+    print_table(console, t)
+    console.print(f"Two levels: 'noticed' is the first read at which the padding mass before any "
+                  f"mask was over {excess:g}x what healthy padding rows take (a figure the guard "
+                  "exports every step); 'violations' counts the steps whose loss trained on it "
+                  "(fail stops at the first; mask keeps the padding columns out of the loss).")
 
 
-def _write_summary(path: Path, scenario: Scenario, arms: list[ArmResult], diff: float) -> None:
+def _write_summary(path: Path, scenario: Scenario, arms: list[ArmResult], diff: float,
+                   said: list[str]) -> None:
     def finite(x: Any) -> Any:
         return None if isinstance(x, float) and not math.isfinite(x) else x
 
     rows = [{**asdict(a), "steps_run": a.steps_run, "final_loss": a.final_loss} for a in arms]
     path.write_text(json.dumps(
-        {"scenario": scenario.name, "finding": scenario.finding, "arms": rows,
+        {"scenario": scenario.name, "findings": said, "arms": rows,
          "mask_vs_reference_max_abs_diff": diff}, indent=2, default=finite))
 
 

@@ -1,4 +1,4 @@
-"""The demo's two scenarios: what is in the padding rows, and what the demo found it does.
+"""The demo's two scenarios: what is in the padding rows, and what an earlier search found.
 No torch here: `guard demo --help` lists them (guard/demo/padded.py builds the models).
 
 seed  The seed's story: a head padded from 50000 to 50016 rows whose 16 padding rows hold
@@ -20,15 +20,16 @@ ROWS = 50016  # the seed's padded size (not a multiple of 64: 50000 pads to 5004
 
 @dataclass(frozen=True)
 class Scenario:
-    """One way the padding rows go wrong, and what the demo says about it."""
+    """One way the padding rows go wrong."""
 
     name: str
     tied: bool
     summary: str  # one line for `guard demo --help`
     garbage: str  # what the padding rows hold, for the console
-    # What the demo found when looking for the ingredient that turns the ghost classes into a
-    # collapse on this model (bench/demo_ingredients.py reproduces the search).
-    finding: str
+    # What bench/demo_ingredients.py found looking for what turns this into a NaN: said as
+    # that search's result, not this run's ("" when there was no search). What the run itself
+    # shows is computed from it (guard/demo/text.py).
+    searched: str
 
 
 SCENARIOS = {
@@ -41,13 +42,10 @@ SCENARIOS = {
         garbage="rows [50000, 50016) of the untied lm_head hold large but finite garbage "
         "(normal, std 5: 250x the real rows' init), as a resize that does not initialise "
         "the new rows can leave them",
-        finding="Looking for the ingredient that turns this into a NaN, we tried float16 and "
-        "bfloat16 autocast, learning rates up to 3e-2, garbage up to std 20, tied and untied "
-        "heads (21 runs, bench/demo_ingredients.py): none went NaN within 80 steps. Here the "
-        "ghost classes stall training instead: after one huge gradient at step 1 through the "
-        "16 ghost columns the loss falls like learning, but stays behind the reference, with "
-        "loss spikes the reference does not have, while the padding mass stays 100-1000x "
-        "over the guard's threshold for most of the run.",
+        searched="bench/demo_ingredients.py looked for the ingredient that turns this into "
+        "a NaN on this model: float16 and bfloat16 autocast, learning rates up to 3e-2, "
+        "garbage up to std 20, tied and untied heads (21 runs); none went NaN within 80 "
+        "steps.",
     ),
     "nan": Scenario(
         "nan",
@@ -56,7 +54,6 @@ SCENARIOS = {
         "every detector catches; the guard also names the first module that went non-finite",
         garbage="rows [50000, 50016) of the tied embedding / lm_head hold uninitialised "
         "memory: arbitrary float32 bit patterns (finite ones, up to ~3e38)",
-        finding="The garbage overflows the logits at once: the loss is Inf/NaN at step 1, "
-        "which a NaN/Inf loss check catches as well as the guard.",
+        searched="",
     ),
 }

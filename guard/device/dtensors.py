@@ -13,7 +13,7 @@ import torch
 
 from guard.device.compile import compiling
 from guard.device.ops import mask_padding
-from guard.vocab.parallel import dtensor_of
+from guard.tensors import dtensor_of
 
 __all__ = ["Columns", "HeadOutput", "head_output", "local", "mask_columns", "rewrap"]
 

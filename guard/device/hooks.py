@@ -4,6 +4,7 @@ which the hot-path test reads (tests/guard/device/test_hot_path.py) wherever it 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import CodeType
 from typing import Any, Literal, Protocol, cast
@@ -14,7 +15,10 @@ from torch.utils.hooks import RemovableHandle
 
 from guard.device.compile import eager_at_top_level
 
-__all__ = ["Compiled", "Handle", "Kind", "hook", "register", "registered", "wrap_loss", "wrap_step"]
+__all__ = [
+    "Compiled", "Handle", "Kind", "hook", "register", "registered", "wrap_call", "wrap_loss",
+    "wrap_step",
+]
 
 # grad_accumulated: on a parameter, after its .grad was accumulated in a backward.
 # step_post: on an optimizer, after its step (not after one that raised).
@@ -138,6 +142,37 @@ def wrap_step(owner: object, fn: Callable[..., Any]) -> Handle:
 
     owner.__dict__["step"] = guarded_step
     return _StepHandle(owner, guarded_step)
+
+
+class _CallHandle:
+    """What `wrap_call` returns: `remove()` puts the function back, unless something wrapped
+    it again since (then the guard's wrapper stays, passing through)."""
+
+    def __init__(self, owner: object, name: str, before: Any, wrapped: Any) -> None:
+        self._undo: tuple[object, str, Any, Any] | None = (owner, name, before, wrapped)
+
+    def remove(self) -> None:
+        if self._undo is None:
+            return
+        owner, name, before, wrapped = self._undo
+        self._undo = None
+        if getattr(owner, name, None) is wrapped:
+            setattr(owner, name, before)
+
+
+def wrap_call(owner: object, name: str, fn: Callable[..., Any]) -> Handle:
+    """Make `owner.name(*args, **kwargs)` (a library's function, looked up at each call) call
+    `fn(original, *args, **kwargs)`: the loop's gradient clip (guard/device/clip.py)."""
+    inner = getattr(fn, "__func__", fn)
+    _REGISTERED[inner.__code__] = inner.__qualname__
+    original: Callable[..., Any] = getattr(owner, name)
+
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        return fn(original, *args, **kwargs)
+
+    setattr(owner, name, guarded)
+    return _CallHandle(owner, name, original, guarded)
 
 
 def register(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

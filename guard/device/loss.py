@@ -190,3 +190,5 @@ class StepLoss:
     def _count(self, loss: torch.Tensor) -> None:
         if self.count_nonfinite:
             self.flags.put(nonfinite.LOSS, nonfinite_count(loss))
+            if loss.is_floating_point():
+                self.flags.put(nonfinite.LOSS_INF, torch.isposinf(loss).sum())

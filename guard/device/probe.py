@@ -70,6 +70,8 @@ class Probe:
         # A pipeline stage: every stage reads at attach, whatever its own states need, since
         # the read is a collective of every rank (guard/vocab/stage.py).
         self.pipelined = False
+        # torch's PipelineStage is running its shape inference (guard/device/pipeline.py).
+        self.inferring = False
 
     @classmethod
     def from_policy(cls, policy: Policy, sizes: Sizes, heads: Heads, *, rank: int,
@@ -228,7 +230,7 @@ class Probe:
 
 def _stage_loss(probe: Probe, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     def guarded_loss_fn(output: Any, target: Any) -> Any:
-        training = torch.is_grad_enabled()
+        training = torch.is_grad_enabled() and not probe.inferring
         loss = fn(output, probe.ids.target(target) if training else target)
         if training and isinstance(loss, torch.Tensor):
             probe.loss.record(loss, given=True)

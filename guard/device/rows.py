@@ -1,65 +1,28 @@
-"""The embedding's and the head's weights, each once (`vocab_weights`), and their padding rows:
+"""The padding rows of the embedding's and the head's weights (guard/weights/vocab.py):
 checked on the device at attach and at each read, and repaired in place (the padding_rows
 check's state, guard/stateful/padding_rows.py, calls them). O(padding rows x hidden) per check,
-no host read, no collective (FSDP2: each rank the rows it holds, guard/device/sharded.py; under
+no host read, no collective (FSDP2: each rank the rows it holds, guard/weights/sharded.py; under
 DeepSpeed ZeRO-3, whose ranks hold slices of the flattened weight, one all-reduce of the padding
-rows' squared norms, guard/device/zero_rows.py); a repair, rare, is O(rows x hidden) and one
+rows' squared norms, guard/weights/zero_rows.py); a repair, rare, is O(rows x hidden) and one
 all-reduce of a row when sharded, and writes the optimizer's master copy too
-(guard/device/masters.py), so the next update does not undo it."""
+(guard/weights/masters.py), so the next update does not undo it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from guard.checks import padding_rows
 from guard.device.flags import Flags
-from guard.device.masters import Masters
-from guard.device.sharded import RowShard, rows_of
-from guard.device.zero_rows import ZeroRows, unreadable
 from guard.vocab.discover import Heads, weight_shape
-from guard_server.wire import WEIGHTS, WeightName
+from guard.weights.masters import Masters
+from guard.weights.row_copies import real_row_copies
+from guard.weights.rows import Rows, rows_of
+from guard.weights.vocab import vocab_weights
+from guard.weights.zero_rows import unreadable
 
-__all__ = ["PaddingRows", "VocabWeight", "unread_rows", "vocab_weights"]
-
-
-@dataclass(frozen=True)
-class VocabWeight:
-    """A distinct 2-D weight of the embedding and the head (one when they are tied)."""
-
-    name: str  # "wte.weight", or "wte.weight (tied: lm_head.weight)"
-    tensor: torch.Tensor  # (rows, d): the parameter itself
-    real: int  # its first padding row, in its own row numbers
-    roles: tuple[WeightName, ...]  # what it is: ("embedding",), ("lm_head",) or both when tied
-
-
-def vocab_weights(heads: Heads, firsts: tuple[int, int]) -> list[VocabWeight]:
-    """The weights of the embedding and the head, each once (a tied one named twice: it is
-    checked and repaired once); `firsts`: the first padding row of each (Sizes.first_padding)."""
-    out: list[VocabWeight] = []
-    modules = (heads.embedding, heads.head_holder)
-    names = (heads.embedding_name, heads.lm_head_name)
-    for role, name, module, real in zip(WEIGHTS, names, modules, firsts, strict=True):
-        w = getattr(module, "weight", None)
-        if not (isinstance(w, torch.Tensor) and len(weight_shape(w)) == 2):
-            continue
-        tied = next((i for i, h in enumerate(out) if h.tensor is w), None)
-        if tied is None:
-            out.append(VocabWeight(f"{name}.weight", w, real, (role,)))
-        else:
-            h = out[tied]
-            out[tied] = VocabWeight(f"{h.name} (tied: {name}.weight)", w, real, (*h.roles, role))
-    return out
-
-
-def unread_rows(heads: Heads, firsts: tuple[int, int]) -> str | None:
-    """The weights of `heads` whose rows this rank cannot read between steps, and why (None:
-    it reads them all): never taken for healthy ones."""
-    why = [f"the rows of {h.name} ({reason})" for h in vocab_weights(heads, firsts)
-           if (reason := unreadable(h.tensor)) is not None]
-    return " and ".join(why) or None
+__all__ = ["PaddingRows"]
 
 
 class PaddingRows:
@@ -82,9 +45,11 @@ class PaddingRows:
         # whole weight: a shard may hold few real rows, or none).
         with torch.no_grad():
             self._reference = [s.largest_norm_below(real) for s, real in self._shards]
+            # Padding rows that copy a real row: put in the flags once, at the attach read.
+            self._copies = [real_row_copies(s, real) for s, real in self._shards]
 
     @property
-    def _shards(self) -> list[tuple[RowShard | ZeroRows, int]]:
+    def _shards(self) -> list[tuple[Rows, int]]:
         return [(rows_of(w, name), real) for name, w, real in self._named]
 
     @classmethod
@@ -110,21 +75,21 @@ class PaddingRows:
         """Non-finite values and the norm ratio into the flags (device ops only)."""
         with torch.no_grad():
             for (shard, real), ref in zip(self._shards, self._reference, strict=True):
-                if isinstance(shard, ZeroRows):  # every rank: the squares' all-reduce
-                    squares, nonfinite = shard.row_squares(real, shard.rows)
-                    norm, bad = squares.sqrt().amax(), nonfinite.sum()
-                    device = squares.device
-                else:
-                    pad = shard.rows_from(real).float()  # (padding rows held here, d)
-                    if pad.shape[0] == 0:  # a shard of real rows only: the other ranks report
-                        continue
-                    norm, bad = pad.norm(dim=-1).amax(), torch.isfinite(pad).logical_not().sum()
-                    device = pad.device
+                # ZeRO-3: every rank (the squares' all-reduce); a shard of real rows only
+                # gives None: the other ranks report.
+                if (found := shard.norm_from(real)) is None:
+                    continue
+                norm, bad = found
                 ratio = torch.where(ref > 0, norm / ref.clamp_min(1e-30),
                                     torch.where(norm > 0, float("inf"), 0.0))
-                self.flags.follow(device)
+                self.flags.follow(norm.device)
                 self.flags.put(padding_rows.NONFINITE, bad)
                 self.flags.put(padding_rows.RATIO, torch.nan_to_num(ratio, nan=float("inf")))
+            for found in self._copies:
+                if found is not None:
+                    self.flags.put(padding_rows.COPIES, found[0])
+                    self.flags.put(padding_rows.COPIED, found[1])
+            self._copies = []
 
     def repair(self) -> None:
         """Set each padding row (and the head's padding bias) to the mean of the real ones,
@@ -143,10 +108,7 @@ class PaddingRows:
                 # mean: the rows are left as they are rather than written with it (a device
                 # select, no host read; the verdict says the weights diverged).
                 ok = torch.isfinite(mean).all()
-                if isinstance(shard, ZeroRows):  # the elements of those rows held here
-                    shard.fill(real, shard.rows, mean, ok)
-                else:
-                    pad = shard.rows_from(real)  # under FSDP2 the padding rows this rank holds
-                    pad.copy_(torch.where(ok, mean.to(pad.dtype).expand_as(pad), pad))
-                self.masters.written(w, real, weight_shape(w)[0], ok)
+                rows = weight_shape(w)[0]
+                shard.fill(real, rows, mean, ok)  # the padding rows (or elements) held here
+                self.masters.written(w, real, rows, ok)
 

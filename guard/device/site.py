@@ -27,7 +27,7 @@ __all__ = ["LogitsSite", "Where", "changed", "find_logits", "find_loss", "loss_o
 # head: measured and masked at the lm_head's output; loss: where the loss receives them.
 Where = Literal["head", "loss"]
 
-_CHANGED = ("guard: the model changes its logits after the head before its loss: from the next "
+_CHANGED = ("the model changes its logits after the head before its loss: from the next "
             "step the padding mass is measured, and the mask applied, in {where} (this step's "
             "mass was measured at the head)")
 
@@ -149,7 +149,7 @@ class LogitsSite:
         if (how := transform_of(model)) is not None:
             self.where = "loss"
             self.notes.append((logging.INFO, (
-                f"guard: the model changes its logits after {head_name} ({how}): the padding "
+                f"the model changes its logits after {head_name} ({how}): the padding "
                 "mass is measured, and the mask applied, in the logits its loss function "
                 "receives")))
         return [wrap_loss(owner, self.at_loss)]
@@ -227,7 +227,7 @@ class LogitsSite:
         if not self._told:
             self._told = True
             self.notes.append((logging.INFO, (
-                "guard: the model changes its logits after the head and computes its loss "
+                "the model changes its logits after the head and computes its loss "
                 "inside forward, where the guard cannot reach it: the padding mass is measured "
                 "and masked at the head's output (a mask survives an added bias or a positive "
                 "scale, not a softcap)")))

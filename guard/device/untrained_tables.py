@@ -19,11 +19,10 @@ import torch.distributed as dist
 
 from guard.checks import untrained_rows as spec
 from guard.device.flags import Flags
-from guard.device.masters import Masters
-from guard.device.rows import VocabWeight
-from guard.device.sharded import RowShard, rows_of
-from guard.device.zero_rows import ZeroRows
 from guard.vocab.discover import weight_shape
+from guard.weights.masters import Masters
+from guard.weights.rows import Rows, rows_of
+from guard.weights.vocab import VocabWeight
 from guard_server.wire import IdKind, WeightName
 
 __all__ = ["UntrainedTables", "UntrainedWeight", "id_kind"]
@@ -39,9 +38,9 @@ class UntrainedWeight:
     """The untrained rows of one weight (of the real vocab), and its state on the device."""
 
     weight: VocabWeight
-    shard: RowShard | ZeroRows  # as at attach (the repair takes the rows as they are then)
+    shard: Rows  # as at attach (the repair takes the rows as they are then)
     ids: list[int]  # the untrained rows, ids of the whole vocab
-    why: list[int]  # per id, guard/device/untrained_rules.py's bits
+    why: list[int]  # per id, guard/weights/features.py's bits
     reference: float  # the median norm of its other rows
     exempt: list[int]  # rows untrained by design (an embedding's padding_idx): not in the mean
     # On the device, per id: its place among all the untrained ids, and whether it still waits
@@ -56,14 +55,16 @@ class UntrainedTables:
     (guard/device/ids.py), `check` before each read, `repair` at a violation under `repair`."""
 
     def __init__(self, weights: Sequence[UntrainedWeight], flags: Flags,
-                 masters: Masters | None = None) -> None:
+                 masters: Masters | None = None, ids: Sequence[int] = ()) -> None:
         self.weights = list(weights)
         self.flags = flags
         self.masters = masters or Masters(None)  # a repair writes the optimizer's copy too
-        self.ids = sorted({i for w in weights for i in w.ids})  # every untrained id, once
+        # Every untrained id, once; `ids`: more of them, held by other ranks (the stages of a
+        # pipeline hold different weights, and `used` is combined over every rank).
+        self.ids = sorted({i for w in weights for i in w.ids} | set(ids))
         self.n = len(self.ids)
         place = {i: k for k, i in enumerate(self.ids)}
-        device = weights[0].shard.local().device
+        device = weights[0].shard.local().device if weights else flags.device  # a middle stage
         self.tables: dict[IdKind, torch.Tensor] = {}
         for w in weights:
             rows = weight_shape(w.weight.tensor)[0]
@@ -133,11 +134,7 @@ class UntrainedTables:
                 shard = rows_of(w.weight.tensor, w.weight.name, "untrained_rows")
                 mean = shard.mean_below(w.weight.real, keep=w.keep)  # (d,) float32
                 write = hit.to(w.pos.device)[w.pos] & w.pending & torch.isfinite(mean).all()
-                if isinstance(shard, ZeroRows):  # each row's elements held here
-                    for j, i in enumerate(w.ids):
-                        shard.fill(i, i + 1, mean, write[j])
-                else:
-                    self._write(shard, w, write, mean)
+                shard.fill_ids(w.ids, mean, write)  # the rows (or elements) held here
                 for j, i in enumerate(w.ids):  # the optimizer's copy (its moments zeroed)
                     self.masters.written(w.weight.tensor, i, i + 1, write[j])
                 w.pending &= ~write
@@ -147,21 +144,6 @@ class UntrainedTables:
                         ids = torch.tensor(w.ids, device=w.pos.device)
                         self.tables[kind].index_copy_(
                             0, ids, torch.where(w.pending, w.pos, self.n))
-
-    @staticmethod
-    def _write(shard: RowShard, w: UntrainedWeight, write: torch.Tensor,
-               mean: torch.Tensor) -> None:
-        """The rows of `w.ids` this rank holds (all of them, unless FSDP2 shards them) set to
-        `mean` where `write` says."""
-        local = shard.local()
-        here = [j for j, i in enumerate(w.ids) if shard.first <= i < shard.first + shard.count]
-        if here:
-            at = torch.tensor(here, device=local.device)
-            rows = torch.tensor([w.ids[j] - shard.first for j in here], device=local.device)
-            fill = torch.where(write[at].unsqueeze(1).to(local.device),
-                               mean.to(local.dtype).to(local.device),
-                               local.index_select(0, rows))
-            local.index_copy_(0, rows, fill)
 
     def _union(self, *, reduce: bool) -> torch.Tensor:
         """`used`, max-combined over ranks when `reduce` and distributed (kept so)."""

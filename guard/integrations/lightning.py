@@ -53,11 +53,15 @@ class GuardCallback(GuardedTraining, pl.Callback):
     returns none, the loss Lightning backpropagates (divided by `accumulate_grad_batches` when
     accumulating; the last micro-batch's). The real vocab comes from `tokenizer`,
     `vocab_size`, the policy's `vocab.real_size`, or the datamodule's `tokenizer` attribute.
+    The guard's state is this callback's in Lightning's checkpoints (`state_dict()`), and
+    `trainer.fit(ckpt_path=...)` goes on from it (docs/integrations.md, "Resuming a run").
     """
 
     # Per fit, set in on_fit_start (the constructor is GuardedTraining's).
     _optimizer: torch.optim.Optimizer | None = None
     _loss: torch.Tensor | None = None
+    _fitting = False  # the guard is attached for this fit
+    _resumed: dict[str, Any] | None = None  # a checkpoint's guard state, until it is loaded
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = guarded_module(pl_module, self.embedding, self.lm_head)
@@ -69,6 +73,24 @@ class GuardCallback(GuardedTraining, pl.Callback):
         self._attach(target, processing_class=tokenizer, steps="manual", scaler=scaler)
         opts = trainer.optimizers
         self._optimizer = guard.torch_optimizer(opts[0]) if opts else None
+        self._fitting = True
+        self._resume()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What Lightning saves of this callback in a checkpoint: the guard's state (plain
+        data; nothing before the first fit)."""
+        return {} if self.guard is None else self.guard.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """`fit(ckpt_path=...)`: Lightning restores the callbacks before fit start (most
+        strategies) or after it; the guard goes on from the state once it is attached."""
+        self._resumed = state_dict
+        self._resume()
+
+    def _resume(self) -> None:
+        if self._resumed is not None and self._fitting and self.guard is not None:
+            state, self._resumed = self._resumed, None
+            self.guard.load_state_dict(state)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            loss: torch.Tensor) -> None:
@@ -108,4 +130,4 @@ class GuardCallback(GuardedTraining, pl.Callback):
         try:
             super()._detach(keep_mask=keep_mask, raise_late=raise_late)
         finally:
-            self._loss = None
+            self._loss, self._fitting = None, False

@@ -28,19 +28,25 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import LogitsProcessor, Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 import guard
 from guard.errors import AttachError
 from guard.integrations.common import GuardedTraining
+from guard.integrations.reference import ReferenceMask, reference_of
+from guard.integrations.smoothing import RealColumnsSmoother, refused
 
 __all__ = ["GuardCallback", "PaddingMaskLogitsProcessor", "guard_trainer"]
 
 log = logging.getLogger("guard")
+
+# The attribute under which state() saves the guard's state in trainer_state.json.
+_SAVED = "guard_state"
 
 
 def guard_trainer(trainer: Trainer, policy: Any = None, **attach_kwargs: Any) -> GuardCallback:
@@ -57,24 +63,35 @@ def guard_trainer(trainer: Trainer, policy: Any = None, **attach_kwargs: Any) ->
     cbs = trainer.callback_handler.callbacks
     first = next((i for i, cb in enumerate(cbs) if _logs(cb)), len(cbs))
     cbs.insert(first, callback)
+    # Now, not at train begin: TRL may precompute the reference's log-probs before that.
+    if callback.policy.masks and reference_of(trainer) is not None \
+            and isinstance(trainer.model, nn.Module):
+        callback._mask_reference(callback._audit(trainer.model, trainer.processing_class).real)
     return callback
 
 
-class GuardCallback(GuardedTraining, TrainerCallback):
+class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
     """Attaches a guard at train begin and detaches it at train end.
 
     The model, the optimizer (its step pre-hook is the step boundary) and, unless `tokenizer`,
     `vocab_size` or the policy's `vocab.real_size` is given, the real vocab (the Trainer's
     `processing_class`) come from the Trainer. The loss is the model output's `.loss`, which
-    the guard's model hook picks up. `label_smoothing_factor` over a head with padding rows is
-    refused at train begin (it smooths over the padding columns). The guard's figures
+    the guard's model hook picks up. `label_smoothing_factor` over a head with padding rows
+    smooths over the real columns under `mask` when put on by `guard_trainer` (the Trainer's
+    label smoother, replaced until train end), and is refused at train begin otherwise. The
+    guard's figures
     (`figures()`) go into the Trainer's logs at each log of a training step. Put on a Trainer
-    with `guard_trainer`, it also reaches `report_to` and a `compute_loss_func`.
+    with `guard_trainer`, it also reaches `report_to` and a `compute_loss_func`. The guard's
+    state goes into each checkpoint's `trainer_state.json` (`state()`, the Trainer's stateful
+    callbacks) and `train(resume_from_checkpoint=...)` goes on from it (docs/integrations.md,
+    "Resuming a run").
     """
 
     _logged_at: int | None = None  # global_step of the last logs given the figures; None: off
     _trainer: Trainer | None = None  # given by guard_trainer
     _wrapped: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # see _feed_loss
+    _smoother: tuple[Any, RealColumnsSmoother] | None = None  # the Trainer's, and ours
+    _reference: ReferenceMask | None = None  # on TRL's ref_model, until release()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        processing_class: Any = None, optimizer: Any = None,
@@ -96,32 +113,73 @@ class GuardCallback(GuardedTraining, TrainerCallback):
         scale = (float(args.world_size) if sums and args.world_size > 1
                  and getattr(args, "average_tokens_across_devices", False) else 1.0)
         smoothing = getattr(args, "label_smoothing_factor", 0.0) or 0.0
-        if smoothing > 0 and (a := self._audit(model, processing_class)).real < a.rows:
+        # The Trainer's label smoother (TRL's SFTTrainer's too); a compute_loss_func replaces it.
+        smoother = getattr(trainer, "label_smoother", None) if loss_func is None else None
+        if smoothing > 0 and loss_func is None \
+                and (a := self._audit(model, processing_class)).real < a.rows \
+                and (smoother is None or not self.policy.masks or self.vocab_shard is not None):
             # Refused before the attach: nothing on the model changes.
-            raise AttachError(
-                f"GuardCallback: label_smoothing_factor={smoothing:g} smooths over all {a.rows} "
-                f"columns of the logits, the {a.rows - a.real} padding columns [{a.real}, "
-                f"{a.rows}) included: under the mask their -inf makes the loss +inf (the Trainer "
-                "logs it as 0.0), without it training teaches the model to give ghost ids "
-                "probability; and the Trainer takes the labels from the model, so ghost labels "
-                "go unchecked. Set label_smoothing_factor=0 and smooth in the model's own loss "
-                f"over the real columns logits[..., :{a.real}] (docs/integrations.md), or "
-                "train a head without padding rows")
+            raise AttachError(refused(smoothing, a.rows, a.real, trainer is None))
         g = self._attach(model, optimizer=optimizer, processing_class=processing_class,
                          loss_shares="sum" if sums else "last", loss_scale=scale)
+        if trainer is not None and smoother is not None and self.vocab_shard is None:
+            # Over the real columns; the labels and the loss, which the model never sees, to g.
+            ours = RealColumnsSmoother(smoother, g.real, g)
+            cast(Any, trainer).label_smoother = ours  # duck-typed: the Trainer only calls it
+            self._smoother = (smoother, ours)
+        self._mask_reference(g.real)
         self._logged_at = -1
+        self._resume(g, state)
         if trainer is None:
             # Given as callbacks=[...]: a compute_loss_func's loss goes unseen, which coverage
             # reports at step 1; the reporters run first, which only this line can say.
             reporters = list(getattr(args, "report_to", None) or [])
             (log.warning if reporters else log.info)(
-                "guard: GuardCallback was given as callbacks=[...], so it runs after the "
+                "GuardCallback was given as callbacks=[...], so it runs after the "
                 "report_to callbacks (%s: they log no guard/ figures) and cannot see a "
                 "compute_loss_func's loss (coverage reports the steps without one); use "
                 "guard.integrations.transformers.guard_trainer(trainer, ...) for both "
                 "(docs/integrations.md)", ", ".join(reporters) or "none here")
         elif loss_func is not None:
             self._feed_loss(trainer, loss_func, g)
+
+    def state(self) -> dict[str, Any]:
+        """What the Trainer saves of this callback in a checkpoint's trainer_state.json (on the
+        process that saves): the guard's state while it trains (Guard.state_dict(), plain
+        data). The Trainer also asks it before train begin, where it has none."""
+        g = self.guard if self._logged_at is not None else None  # _logged_at: None off training
+        return {"args": {}, "attributes": {} if g is None else {_SAVED: g.state_dict()}}
+
+    def _resume(self, g: guard.Guard, state: Any) -> None:
+        """At a train(resume_from_checkpoint=...) the Trainer's state is the checkpoint's: the
+        guard goes on from what `state()` saved there."""
+        if vars(self).get(_SAVED) is not None:
+            # restore_callback_states_from_checkpoint=True: the Trainer replaced the callback
+            # by one built with no arguments, and set what state() saved on it.
+            self._detach()
+            raise AttachError(
+                "GuardCallback: restore_callback_states_from_checkpoint=True rebuilt the "
+                "callback without its policy, tokenizer or Trainer; leave it False (the "
+                "default): the guard restores its own state from the checkpoint")
+        held_by = getattr(state, "stateful_callbacks", None)
+        if not isinstance(held_by, dict):
+            return
+        # A checkpoint saved without this callback has no entry, where the Trainer's next save
+        # writes this callback's state (a KeyError there): the entry, until then empty.
+        saved = held_by.setdefault(type(self).__name__, {"args": {}, "attributes": {}})
+        saved = saved[0] if isinstance(saved, list) and saved else saved
+        held = saved.get("attributes", {}).get(_SAVED) if isinstance(saved, dict) else None
+        if state.global_step < 1:
+            return
+        if held is None:
+            log.warning("resuming at step %d from a checkpoint without the guard's "
+                        "state: its loss window and counters start empty", state.global_step)
+            return
+        try:
+            g.load_state_dict(held)
+        except Exception:
+            self._detach()
+            raise
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
@@ -161,7 +219,28 @@ class GuardCallback(GuardedTraining, TrainerCallback):
             if self._trainer.compute_loss_func is fed:
                 self._trainer.compute_loss_func = loss_func
         self._wrapped = None
+        held: Any = self._trainer
+        if self._smoother is not None and held is not None:
+            smoother, ours = self._smoother
+            if held.label_smoother is ours:
+                held.label_smoother = smoother
+        self._smoother = None
         super()._detach(keep_mask=keep_mask, raise_late=raise_late)
+
+
+    def _mask_reference(self, real: int) -> None:
+        """Under `mask`, the padding columns [real, rows) of the Trainer's reference model
+        (TRL's `ref_model`) masked too; idempotent."""
+        ref = reference_of(self._trainer)
+        if ref is not None and self._reference is None and self.policy.masks \
+                and self.vocab_shard is None:
+            self._reference = ReferenceMask(ref, real)
+
+    def release(self) -> None:
+        super().release()
+        if self._reference is not None:
+            self._reference.remove()
+            self._reference = None
 
 
 def _logs(callback: TrainerCallback) -> bool:

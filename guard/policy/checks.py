@@ -12,7 +12,7 @@ from guard.policy.strict import Section
 
 __all__ = ["MAX_WINDOW", "AttachCheck", "Checks", "CoverageCheck", "LossSpikeCheck",
            "NonfiniteCheck", "PaddingMassCheck", "PaddingRowsCheck", "TokenRangeCheck",
-           "UntrainedRowsCheck"]
+           "UntrainedRowsCheck", "VocabCheck"]
 
 # Every number has a range (docs/checks.md, "Policy keys and their ranges", held to these
 # models by tests/guard/test_policy_ranges.py): the code can act on any value in it, and a value
@@ -24,6 +24,17 @@ MAX_WINDOW = 10_000
 
 class AttachCheck(Section):
     action: Literal["fail", "warn", "off"] = "fail"
+
+
+class VocabCheck(AttachCheck):
+    """The sizes at attach; the tie of the embedding and the head at each read; tied copies
+    on two pipeline stages compared every `tie_every` reads (a checksum of every row of both
+    copies: a pass over the weight on two stages, docs/integrations.md)."""
+
+    # Every 10 reads: a checksum pass over both copies costs about a forward of the head
+    # (docs/benchmarks.md), a tenth of it a step; a drift at attach is found there. At least
+    # every 10,000 reads, as cadence.read_every: past it a drift acts hours late.
+    tie_every: int = Field(10, ge=1, le=10_000)
 
 
 class PaddingMassCheck(Section):
@@ -116,9 +127,9 @@ class UntrainedRowsCheck(Section):
     # training). A base checkpoint fine-tuned with its instruct chat template uses them at step
     # 1, and stopping there (fail) asks for this very fix; warn leaves zero rows in training.
     action: Literal["repair", "fail", "warn", "off"] = "repair"
-    # The rules' thresholds (guard/vocab/untrained_rules.py), each default explained where it is
-    # defined (guard/constants.py, which `guard audit` reads too): every |value| of a row <=
-    # epsilon; a norm under norm_ratio x the median row's; at least `duplicates`
+    # The rules' thresholds (guard/checkpoint/untrained_rules.py), each default explained where
+    # it is defined (guard/constants.py, which `guard audit` reads too): every |value| of a row
+    # <= epsilon; a norm under norm_ratio x the median row's; at least `duplicates`
     # bitwise-identical rows.
     epsilon: float = Field(constants.EPSILON, ge=0.0, le=constants.MAX_EPSILON)
     norm_ratio: float = Field(constants.NORM_RATIO, gt=0.0, lt=1.0)
@@ -127,7 +138,7 @@ class UntrainedRowsCheck(Section):
 
 class Checks(Section):
     alignment: AttachCheck = AttachCheck()
-    vocab: AttachCheck = AttachCheck()
+    vocab: VocabCheck = VocabCheck()
     padding_mass: PaddingMassCheck = PaddingMassCheck()
     nonfinite: NonfiniteCheck = NonfiniteCheck()
     token_range: TokenRangeCheck = TokenRangeCheck()

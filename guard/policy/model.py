@@ -161,7 +161,7 @@ def default_run_id() -> str:
         try:
             return _RUN_ID.validate_python(rid)
         except ValidationError:
-            log.warning("guard: TORCHELASTIC_RUN_ID %s is no run_id (1-128 characters of A-Z, "
+            log.warning("TORCHELASTIC_RUN_ID %s is no run_id (1-128 characters of A-Z, "
                         "a-z, 0-9, _ . : -); reporting as %r, which differs per rank: set run_id "
                         "in the policy", quote(rid), fallback)
     return fallback

@@ -37,6 +37,11 @@ class EmbeddedSink:
 
     def close(self, timeout: float = 5.0) -> None:
         if self._owned:
+            # The final report is stored: where Prometheus scrapes this endpoint, it reads it
+            # once more, so the rank ends finished there rather than gone (GuardRankSilent).
+            if self.server.last_scrape() is False:
+                log.info("no scrape of %s came after the last report; Prometheus may "
+                         "not have seen this rank finish", self.metrics_url)
             self.server.stop(timeout)
 
 
@@ -45,15 +50,15 @@ def start_embedded(host: str, port: int) -> EmbeddedSink | None:
     try:
         sink = EmbeddedSink(host, port)
     except ImportError as e:
-        log.warning("guard: the embedded /metrics endpoint needs the serve extra "
+        log.warning("the embedded /metrics endpoint needs the serve extra "
                     "(pip install 'logitguard[serve]'): %s; continuing without it", e)
         return None
     except OSError as e:  # PortInUseError is an OSError
-        log.warning("guard: cannot serve /metrics on %s:%d (%s); continuing without it. Set "
+        log.warning("cannot serve /metrics on %s:%d (%s); continuing without it. Set "
                     "export.serve to another host:port, or null.", host, port, e)
         return None
     except (RuntimeError, ValueError) as e:  # did not start in time; a bad GUARD_SERVER_* value
-        log.warning("guard: no /metrics endpoint: %s; continuing without it", e)
+        log.warning("no /metrics endpoint: %s; continuing without it", e)
         return None
-    log.info("guard: metrics at %s/metrics", sink.url)
+    log.info("metrics at %s/metrics", sink.url)
     return sink

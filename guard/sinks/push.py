@@ -154,7 +154,7 @@ class PushSink:
             self._in_flight = 0
             self._closed = True
             if left + self._gave_up:
-                log.warning("guard: %d reports not pushed to %s within the %g s of close (last "
+                log.warning("%d reports not pushed to %s within the %g s of close (last "
                             "try: %s); dropped, %d in all this run", left + self._gave_up,
                             self.where, timeout, self._failure, self.dropped)
 
@@ -261,13 +261,13 @@ class PushSink:
                 # Said at the first failure, not only by a count at exit; while closing, close
                 # says what was lost (nothing waits to be retried then).
                 if not self._failing and not self._closing:
-                    log.warning("guard: cannot push to %s (%s); reports wait in the queue and "
+                    log.warning("cannot push to %s (%s); reports wait in the queue and "
                                 "are retried with backoff", self.where, why)
                 self._failing = True
                 self._failure = why
                 resume = time.monotonic() + wait
                 if not self._closing:
-                    log.debug("guard: push to %s failed (%s); retrying in %.1f s", self.where,
+                    log.debug("push to %s failed (%s); retrying in %.1f s", self.where,
                               why, wait)
                     # Only close() ends this early: emit() notifies the condition too, and a
                     # queue that stays full during an outage would cut every backoff short.

@@ -108,7 +108,7 @@ def failure(error: BaseException) -> str:
 
 def refusal(where: str, count: int, answer: Answer, *, token_sent: bool) -> str:
     """The error for a push the server refused for good: what to do about it."""
-    head = f"guard: {where} rejected {count} reports (HTTP {answer.status})"
+    head = f"{where} rejected {count} reports (HTTP {answer.status})"
     if answer.status in (401, 403):
         return (f"{head}: the server wants a token and the trainer sent "
                 f"{'a wrong one' if token_sent else 'none'}; set GUARD_TOKEN in the trainer's "
@@ -118,7 +118,7 @@ def refusal(where: str, count: int, answer: Answer, *, token_sent: bool) -> str:
 
 def certificate_refused(where: str, count: int, why: str) -> str:
     """The error for a push whose server showed a TLS certificate the trainer refuses."""
-    return (f"guard: {where}: the server's TLS certificate is refused ({why}); retrying will not "
+    return (f"{where}: the server's TLS certificate is refused ({why}); retrying will not "
             f"heal this: fix the certificate (its name must be the URL's host) or the URL, or "
             f"trust its issuer with SSL_CERT_FILE; {count} reports dropped")
 
@@ -126,7 +126,7 @@ def certificate_refused(where: str, count: int, why: str) -> str:
 def unusable(where: str, count: int, why: str) -> str:
     """The error for a push that failed in a way nothing expects (an answer no one can read):
     retrying would fail the same way."""
-    return (f"guard: {where}: a push failed in a way retrying will not heal ({quote(why, 300)}); "
+    return (f"{where}: a push failed in a way retrying will not heal ({quote(why, 300)}); "
             f"{count} reports dropped")
 
 

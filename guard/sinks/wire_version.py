@@ -53,7 +53,7 @@ class ServerVersion:
         version, said = answer_version(header), None
         if version < WIRE_VERSION and version not in self._said:
             self._said.add(version)
-            said = (f"guard: {self.where} reads wire version {version}, an older guard "
+            said = (f"{self.where} reads wire version {version}, an older guard "
                     f"server's: reports go to it without {', '.join(_newer_than(version))}; "
                     "upgrade the server to see them")
         self.version = version

@@ -1,5 +1,6 @@
 """The nonfinite check's state: the gradients the optimizer applies, checked at each step
-boundary before the update (guard/device/grads.py reduces them on the device), the total norm
+boundary before the update (guard/device/grads.py reduces them on the device; where the loop
+clips, from the clip's own norms, taken before the clip: guard/device/clip.py), the total norm
 and its largest parameter as figures, and at a violation the parameters named."""
 
 from __future__ import annotations
@@ -7,9 +8,13 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from guard.checks import grads, nonfinite
+from guard.device.clip import tap
 from guard.device.grads import GradNorms
+from guard.device.hooks import Handle
 from guard.device.reading import Reading
+from guard.stateful.stages import born_on_a_stage
 from guard.stateful.state import Attaching, CheckState
+from guard.vocab.stage import Stage
 
 __all__ = ["GradState"]
 
@@ -23,6 +28,7 @@ class GradState(CheckState):
     def __init__(self, norms: GradNorms, names: list[str]) -> None:
         self.norms = norms
         self.names = names  # per parameter of `norms`, the model's own name for it
+        self.stage: Stage | None = None  # a pipeline stage: the names are gathered by stage
 
     @classmethod
     def attach(cls, at: Attaching) -> GradState | None:
@@ -43,7 +49,14 @@ class GradState(CheckState):
         for name, p in at.model.named_parameters(remove_duplicate=False):
             named.setdefault(id(p), name)
         names = [named.get(id(p), f"optimizer parameter {i}") for i, p in enumerate(params)]
-        return cls(GradNorms(params, at.flags, scaled=at.scaled), names)
+        state = cls(GradNorms(params, at.flags, scaled=at.scaled), names)
+        state.stage = at.stage
+        return state
+
+    def install(self) -> list[Handle]:
+        """The loop's gradient clip hands its per-parameter norms over (guard/device/clip.py):
+        taken before it spreads a NaN, in place of a second read of the gradients."""
+        return [tap(self.norms)]
 
     def end_step(self) -> None:
         self.norms.measure()
@@ -63,6 +76,8 @@ class GradState(CheckState):
             return ""
         bad = self.norms.named_bad()
         hit = [self.names[i] for i, b in enumerate(bad.tolist()) if b > 0]  # a violation
+        if reduce and self.stage is not None:
+            return born_on_a_stage(hit, len(self.names), self.stage, _NAMED)
         if reduce and dist.is_available() and dist.is_initialized() and \
                 dist.get_world_size() > 1:
             # The names, not a tensor per parameter: the ranks of a pipeline's stages hold

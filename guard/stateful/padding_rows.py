@@ -9,11 +9,14 @@ import logging
 from torch import nn
 
 from guard.checks import padding_rows
-from guard.device.masters import Masters
 from guard.device.reading import Reading
-from guard.device.rows import PaddingRows, unread_rows, vocab_weights
+from guard.device.rows import PaddingRows
 from guard.policy import Action
+from guard.stateful.stages import from_the_rank_that_fired
 from guard.stateful.state import Attaching, CheckState
+from guard.vocab.stage import Stage
+from guard.weights.masters import Masters
+from guard.weights.vocab import unread_rows, vocab_weights
 
 __all__ = ["PaddingRowsState", "suppress_padding_ids"]
 
@@ -25,7 +28,8 @@ class PaddingRowsState(CheckState):
     at_detach = False  # reads the weights
 
     def __init__(self, rows: PaddingRows | None, action: Action, real: int, total: int, *,
-                 sharded: bool = False, unread: str | None = None) -> None:
+                 sharded: bool = False, unread: str | None = None,
+                 stage: Stage | None = None) -> None:
         # None where no weight has a padding row on this process (a vocab-parallel shard of
         # real ids only): it checks nothing, the other ranks report theirs.
         self.rows = rows
@@ -34,13 +38,14 @@ class PaddingRowsState(CheckState):
         self.sharded = sharded  # the rows are a vocab-parallel shard's: some rank holds them
         self.names = "the padding rows" if rows is None else rows.names
         self._unread = unread  # the weights whose rows cannot be read, and why
+        self.stage = stage  # a pipeline stage: the rows named are the firing stage's
 
     @classmethod
     def attach(cls, at: Attaching) -> PaddingRowsState:
         s = at.sizes
         state = cls(PaddingRows.of(at.flags, at.heads, s.first_padding, Masters(at.optimizer)),
                     at.policy.action("padding_rows"), s.real, s.rows, sharded=s.shard is not None,
-                    unread=unread_rows(at.heads, s.first_padding))
+                    unread=unread_rows(at.heads, s.first_padding), stage=at.stage)
         if state.sharded:  # every rank names them alike, whichever holds padding rows
             state.names = " and ".join(h.name for h in vocab_weights(at.heads, s.first_padding))
         return state
@@ -59,8 +64,10 @@ class PaddingRowsState(CheckState):
             self.rows.check()
 
     def detail(self, reading: Reading, *, reduce: bool) -> str:
-        """The weights whose padding rows are checked, by name."""
-        return self.names
+        """The weights whose padding rows are checked, by name (on a pipeline, the weights
+        of the stage that found them)."""
+        return from_the_rank_that_fired(self.names, reading, self.check_name, self.stage,
+                                        reduce=reduce)
 
     def repair(self) -> None:
         if self.rows is not None:
@@ -79,5 +86,5 @@ def suppress_padding_ids(model: nn.Module, real: int, rows: int) -> None:
         return
     before = list(config.suppress_tokens or [])
     config.suppress_tokens = sorted(set(before) | set(range(real, rows)))
-    log.info("guard: generation_config.suppress_tokens now holds the padding ids [%d, %d)",
+    log.info("generation_config.suppress_tokens now holds the padding ids [%d, %d)",
              real, rows)

@@ -14,6 +14,7 @@ from torch import nn
 
 from guard.checks.spec import Spec, Stats
 from guard.device.flags import Flags
+from guard.device.hooks import Handle
 from guard.device.reading import Reading
 from guard.policy import Policy
 from guard.vocab.discover import Heads
@@ -79,6 +80,11 @@ class CheckState:
 
     def count(self, kind: IdKind, ids: torch.Tensor) -> None:
         """A training forward's ids of `kind`, into the flags: device ops only."""
+
+    def install(self) -> list[Handle]:
+        """What it puts on besides the probe's hooks, at attach once nothing can refuse it;
+        removed with them."""
+        return []
 
     def end_step(self) -> None:
         """At each step boundary (before the update where the boundary is the optimizer's

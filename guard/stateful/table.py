@@ -10,15 +10,15 @@ from guard.stateful.coverage import CoverageState
 from guard.stateful.nonfinite import GradState
 from guard.stateful.padding_rows import PaddingRowsState
 from guard.stateful.state import Attaching, CheckState
+from guard.stateful.tie_across import tie_state
 from guard.stateful.untrained_rows import UntrainedRowsState
-from guard.stateful.vocab import TieState
 from guard_server.wire import CheckName
 
 __all__ = ["STATEFUL", "attach_states"]
 
 # Per stateful check, what makes its state at attach (None: nothing to watch on this model).
 STATEFUL: Mapping[CheckName, Callable[[Attaching], CheckState | None]] = {
-    "vocab": TieState.attach,
+    "vocab": tie_state,
     "untrained_rows": UntrainedRowsState.attach,
     "nonfinite": GradState.attach,
     "padding_rows": PaddingRowsState.attach,

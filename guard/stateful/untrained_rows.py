@@ -1,5 +1,5 @@
 """The untrained_rows check's state: at attach the rows of the real vocab that were never
-trained are found on the device (guard/device/untrained_rules.py), read back once and named
+trained are found on the device (guard/weights/features.py), read back once and named
 (ids, tokens, the weights, whether they can learn); every step the ids that fall on them are
 counted on the device and, under `repair`, their rows repaired (guard/device/
 untrained_tables.py); at a violation, the ids used that no message named yet."""
@@ -13,20 +13,22 @@ from typing import Any
 
 import torch
 
+from guard.checkpoint.tokenizer_files import tokenizer_tokens
+from guard.checkpoint.untrained_rules import by_reason, id_list, reasons
 from guard.checks import untrained_rows
-from guard.device.masters import Masters
 from guard.device.reading import Reading
-from guard.device.rows import unread_rows, vocab_weights
-from guard.device.sharded import rows_of
-from guard.device.untrained_rules import classify, row_features
 from guard.device.untrained_tables import UntrainedTables, UntrainedWeight
-from guard.device.zero_rows import unreadable
 from guard.policy import Action, Policy
+from guard.stateful.stages import from_the_rank_that_fired, ids_of_every_stage
 from guard.stateful.state import Attaching, CheckState, Finding
 from guard.vocab.discover import weight_shape
 from guard.vocab.real import checkpoint_dir
-from guard.vocab.tokenizer_files import tokenizer_tokens
-from guard.vocab.untrained_rules import by_reason, id_list, reasons
+from guard.vocab.stage import Stage
+from guard.weights.features import classify, row_features
+from guard.weights.masters import Masters
+from guard.weights.rows import rows_of
+from guard.weights.vocab import unread_rows, vocab_weights
+from guard.weights.zero_rows import unreadable
 from guard_server.wire import IdKind
 
 __all__ = ["UntrainedRowsState", "token_names"]
@@ -62,6 +64,7 @@ class UntrainedRowsState(CheckState):
         self._modules = modules  # the embedding's and the head's names, for PEFT's message
         self._named: set[int] = set()  # the ids a message named
         self._unread: str | None = None  # the weights whose rows cannot be read, and why
+        self.stage: Stage | None = None  # a pipeline stage: its rows are some of the ids'
 
     @classmethod
     def attach(cls, at: Attaching) -> UntrainedRowsState | None:
@@ -70,7 +73,7 @@ class UntrainedRowsState(CheckState):
         it does not read; a DTensor's rows it reads in global numbers)."""
         sizes, heads = at.sizes, at.heads
         if sizes.tp is not None and not sizes.tp.dtensor:
-            log.info("guard: untrained_rows does not read a vocab-parallel head held as a plain "
+            log.info("untrained_rows does not read a vocab-parallel head held as a plain "
                      "tensor (%s, ids %s): run `guard audit` on the checkpoint instead",
                      sizes.tp.source, sizes.shard)
             return None
@@ -96,10 +99,12 @@ class UntrainedRowsState(CheckState):
                 ref = reference.item()
                 found.append(UntrainedWeight(h, shard, [i for i, _ in kept], [w for _, w in kept],
                                              ref if math.isfinite(ref) else 0.0, exempt))
-        tokens = token_names(sorted({i for w in found for i in w.ids}), at.tokenizer, at.model)
-        tables = UntrainedTables(found, at.flags, Masters(at.optimizer))
+        every = ids_of_every_stage(sorted({i for w in found for i in w.ids}), at.stage)
+        tokens = token_names(every, at.tokenizer, at.model)
+        tables = UntrainedTables(found, at.flags, Masters(at.optimizer), every)
         state = cls(found, tables, at.policy, tokens, (heads.embedding_name, heads.lm_head_name))
         state._unread = unread_rows(heads, sizes.first_padding)
+        state.stage = at.stage
         return state
 
     def unread(self) -> str | None:
@@ -169,7 +174,9 @@ class UntrainedRowsState(CheckState):
         ids = [i for i, hit in zip(self.tables.ids, new, strict=True) if hit]
         earlier, self._named = bool(self._named), self._named | set(ids)
         weights = [w for w in self.weights if set(w.ids) & set(ids)]
-        where = " and ".join(w.weight.name for w in weights)
+        where = from_the_rank_that_fired(" and ".join(w.weight.name for w in weights), reading,
+                                         self.check_name, self.stage, reduce=reduce,
+                                         every_rank=True)
         return (f"{'among them, first used now: ' if earlier else ''}"
                 f"{'id' if len(ids) == 1 else 'ids'} {id_list(ids, self.tokens)} (untrained in "
                 f"{where}){self._frozen(weights)}")

@@ -169,6 +169,10 @@ class StepClock:
             self.boundary, self._pending = "manual", False
         self.tick()
 
+    def resume(self, step: int) -> None:
+        """Go on from step `step` of a resumed run (guard/step/resume.py)."""
+        self.step = self._read_step = step
+
     def tick(self, *, in_step: bool = False, closure: bool = False) -> bool:
         """End the current step, read when due; True: drop this update.
 

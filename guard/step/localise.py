@@ -30,8 +30,8 @@ from torch.utils.hooks import RemovableHandle
 
 from guard.device.dtensors import local
 from guard.device.hooks import hook
-from guard.device.sharded import register_sharded
-from guard.vocab.parallel import dtensor_of
+from guard.tensors import dtensor_of
+from guard.weights.sharded import register_sharded
 
 __all__ = ["Finding", "Inputs", "Localiser", "RerunFailed", "any_nonfinite", "capture",
            "rerun"]
@@ -183,7 +183,7 @@ def rerun(model: nn.Module, inputs: Inputs) -> Finding | None:
             model(*inputs.args, **inputs.kwargs)
         return loc.first()
     except Exception as e:
-        log.warning("guard: the re-run to localise the non-finite value failed; "
+        log.warning("the re-run to localise the non-finite value failed; "
                     "set checks.nonfinite.localise: false to skip it", exc_info=True)
         raise RerunFailed(f"{type(e).__name__}") from None
     finally:

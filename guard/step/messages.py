@@ -96,7 +96,7 @@ class Messages:
         for check, c in self._checks.items():
             quiet = c.unlogged
             log.warning(
-                "guard: %s at detach: %d violation step(s) (%s), the worst %.4g at step %d, the "
+                "%s at detach: %d violation step(s) (%s), the worst %.4g at step %d, the "
                 "last at step %d%s", check, c.count, ", ".join(sorted(c.actions)), c.worst[0],
                 c.worst[1], c.last_step,
                 f"; {quiet} not logged one by one" if quiet > 0 else "")

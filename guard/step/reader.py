@@ -98,7 +98,7 @@ class Reader:
             # Every rank reads the same all-reduced values, so every rank skips the same step.
             skip = in_step and verdict.skip
             if skip and closure:
-                log.error("guard: optimizer.step(closure) recomputes the gradients, so skip "
+                log.error("optimizer.step(closure) recomputes the gradients, so skip "
                           "cannot drop step %d; it is applied", step)
                 skip = False
             if skip or (dropped and verdict.skip):

@@ -110,11 +110,15 @@ class Record:
         self.sinks: list[Sink] = []
         self.halted: str | None = None
         self._stats = empty_stats()
+        # The names of g.stats that add up (counts, counts per kind), as against gauges.
+        self.counted = {k for k, v in self._stats.items()
+                         if isinstance(v, Mapping) and k != "violations"} | {"skipped_steps"}
         self._violations: dict[str, Counter[str]] = {}
         self._events: list[Event] = []
         self._once: set[str] = set()  # keys of violations reported already
         self._messages = Messages()  # what of them reaches the log
         self.unbuilt = 0  # reports that could not be built (logged once, counted here)
+        self.mass_bound: float | None = None  # padding_mass.reported_bound, on the wire
 
     @classmethod
     def from_policy(cls, policy: Policy, audit: Audit, rank: int) -> Record:
@@ -139,7 +143,9 @@ class Record:
                 s[name] = dict(value)
             elif isinstance(value, Total):  # a count: added up, from the first reported
                 s[name] = (s.get(name) or 0) + value
+                self.counted.add(name)
             elif isinstance(value, Mapping):
+                self.counted.add(name)
                 held = s.setdefault(name, {})
                 for kind, n in value.items():
                     held[kind] = held.get(kind, 0) + n
@@ -168,6 +174,28 @@ class Record:
         log.warning("%s", n.message)
         self._events.append(_event(n))
 
+    def totals(self) -> dict[str, Any]:
+        """What adds up since attach (counts, counts per kind, `violations`), as plain data."""
+        out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in self._stats.items()
+               if k in self.counted and v is not None}
+        return {**out, "violations": {c: dict(a) for c, a in self._violations.items()}}
+
+    def add_totals(self, totals: Mapping[str, Any], step: int) -> None:
+        """A resumed run's `totals()` added to this attach's, from step `step` on (checked by
+        guard/step/resume.py)."""
+        self._stats["step"] = step
+        for name, value in totals.items():
+            if name == "violations":
+                for check, actions in value.items():
+                    self._violations.setdefault(check, Counter()).update(actions)
+            elif isinstance(value, Mapping):
+                held = self._stats.setdefault(name, {})
+                for kind, n in value.items():
+                    held[kind] = held.get(kind, 0) + n
+            else:
+                self._stats[name] = (self._stats.get(name) or 0) + value
+            self.counted.add(name)
+
     def skipped(self) -> None:
         self._stats["skipped_steps"] += 1
 
@@ -187,7 +215,7 @@ class Record:
             violations=cast(dict[CheckName, dict[ActionName, int]], violations),
             skipped_steps=_count(s["skipped_steps"]),
             halted=cast(CheckName | None, self.halted), vocab=self.vocab, dropped_reports=0,
-            final=final, events=events)
+            final=final, events=events, padding_mass_bound=self.mass_bound)
 
     def _figures_held(self) -> dict[str, Any]:
         """The specs' figures as of now: g.stats less its own keys."""
@@ -240,13 +268,13 @@ class Record:
             try:
                 sink.emit(batch)
             except Exception:  # a sink must never stop training
-                log.exception("guard: sink %r failed; continuing", sink)
+                log.exception("sink %r failed; continuing", sink)
 
     def _unbuilt(self, e: Exception) -> None:
         """Log the first report that cannot be built (every later one fails alike), count all."""
         self.unbuilt += 1
         if self.unbuilt == 1:
-            log.error("guard: the report of step %d cannot be built (%s); no report reaches "
+            log.error("the report of step %d cannot be built (%s); no report reaches "
                       "the sinks while this lasts, training goes on", self._stats["step"],
                       _why(e))
 
@@ -258,7 +286,7 @@ class Record:
         """One log line per check that fired (at detach), and the reports never built."""
         self._messages.summary()
         if self.unbuilt:
-            log.error("guard: %d reports could not be built and were not sent", self.unbuilt)
+            log.error("%d reports could not be built and were not sent", self.unbuilt)
 
 
 def _why(e: Exception) -> str:

@@ -59,7 +59,7 @@ def check_boundaries(policy: Policy, optimizer: object, steps: str) -> None:
                           "each optimizer step one: give one of them")
     every = policy.cadence.read_every
     if (failing := policy.acting(Action.FAIL)) and every > 1:
-        log.warning("guard: with cadence.read_every %d, fail (%s) is decided at the reads only: "
+        log.warning("with cadence.read_every %d, fail (%s) is decided at the reads only: "
                     "up to %d updates can be applied after a bad step. Use read_every: 1 "
                     "where fail must stop the first one.", every, ", ".join(failing), every - 1)
     if not (skipping := policy.acting(Action.SKIP)):
@@ -69,7 +69,7 @@ def check_boundaries(policy: Policy, optimizer: object, steps: str) -> None:
             f"checks.{skipping[0]}.action: skip drops the optimizer step, so the guard needs "
             "the optimizer: guard.attach(model, optimizer=opt, ...); or choose fail, warn or off")
     if every > 1:
-        log.warning("guard: with cadence.read_every %d, skip drops only the step at which the "
+        log.warning("with cadence.read_every %d, skip drops only the step at which the "
                     "flags are read; the other steps of the window are applied. Use "
                     "read_every: 1 with skip.", every)
 
@@ -127,7 +127,7 @@ def device_skip(policy: Policy, optimizer: torch.optim.Optimizer | None, flags: 
                           f"{where}: use an optimizer with fused=True (torch.optim.AdamW, Adam, "
                           "SGD), or fail_read: before_update")
     if hooked:
-        log.info("guard: %s (%s) read before each update: this optimizer needs a sync per step "
+        log.info("%s (%s) read before each update: this optimizer needs a sync per step "
                  "for fail/skip: use fused=True (torch.optim.AdamW, Adam, SGD) to drop a bad "
                  "update on the device instead", ", ".join(acting), name)
     return None

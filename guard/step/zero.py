@@ -117,13 +117,13 @@ class OuterStep:
         if (found := deepspeed_of(model)) is None:
             if not hooked:
                 log.warning(
-                    "guard: DeepSpeed's ZeRO took over this model after the attach, and the "
+                    "DeepSpeed's ZeRO took over this model after the attach, and the "
                     "guard has no optimizer to find its updates by: each training forward is "
                     "a step and the gradients go unread. Attach after deepspeed.initialize, "
                     "to the engine (guard.attach(engine, ...)), or pass optimizer= the torch "
                     "optimizer given to initialize")
             return False
-        log.info("guard: %s updates this model now (deepspeed.initialize after attach): its "
+        log.info("%s updates this model now (deepspeed.initialize after attach): its "
                  "step is the step boundary", type(found).__name__)
         self.bind(found)
         return True

@@ -14,9 +14,10 @@ from torch import nn
 
 from guard.errors import AttachError
 from guard.quote import quote
+from guard.tensors import dtensor_of
 from guard.vocab import megatron
 from guard.vocab.discover import Heads
-from guard.vocab.parallel import VocabShard, dtensor_of, fsdp_managed, held_block, tp_dims
+from guard.vocab.parallel import VocabShard, fsdp_managed, held_block, tp_dims
 from guard.vocab.sizes import shard_sizes
 
 __all__ = ["Layout", "layout_of"]

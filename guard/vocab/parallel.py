@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["VocabShard", "dtensor_of", "fsdp_managed", "held_block", "held_rows",
+__all__ = ["VocabShard", "fsdp_managed", "held_block", "held_rows",
            "on_rows", "tp_dims"]
 
 
@@ -32,12 +32,6 @@ class VocabShard:
     @property
     def width(self) -> int:
         return self.end - self.start
-
-
-def dtensor_of(t: object) -> Any:
-    """`t` when it is a DTensor, else None (torch.distributed.tensor never imported: none)."""
-    dt = sys.modules.get("torch.distributed.tensor")
-    return t if dt is not None and isinstance(t, dt.DTensor) else None
 
 
 def _strided(p: Any) -> bool:

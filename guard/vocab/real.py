@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guard.checkpoint.tokenizer_files import tokenizer_vocab
 from guard.errors import AttachError, CheckpointError
 from guard.quote import quote
-from guard.vocab.tokenizer_files import tokenizer_vocab
 
 __all__ = ["GIVE_IT", "Real", "checkpoint_dir", "config_levels", "find_real"]
 
@@ -107,7 +107,7 @@ def _from_checkpoint(model: Any) -> tuple[int | None, str]:
         n, source = tokenizer_vocab(Path(where))
     except Exception as e:  # untrusted files never stop an attach
         why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-        log.warning("guard: cannot read the tokenizer files of %s (%s); going on without "
+        log.warning("cannot read the tokenizer files of %s (%s); going on without "
                     "them", quote(where, 300), quote(why, 500))
         return None, f"the tokenizer files in {where} (unreadable: {quote(why, 300)})"
     if n is None:

@@ -145,7 +145,7 @@ def stage_heads(model: nn.Module, *, embedding: nn.Module | None, lm_head: nn.Mo
     else:
         heads = Heads(absent, Absent(rows, 1), "<no embedding on this stage>",
                       "<no head on this stage>")
-    log.info("guard: %s (from %s): checking %s", stage.name, stage.source, _checks(stage))
+    log.info("%s (from %s): checking %s", stage.name, stage.source, _checks(stage))
     return heads, stage
 
 

@@ -15,6 +15,7 @@ from guard_server.headers import AnswerHeaders
 from guard_server.limits import TURN_WAIT_S, Turns
 from guard_server.reads import READ_WAIT_S, reads_busy
 from guard_server.routes import ROUTERS, ingest_router
+from guard_server.scrapes import ScrapeClock
 from guard_server.settings import Settings
 from guard_server.store import Store
 
@@ -61,6 +62,7 @@ def create_app(
     app.state.scrape_turns = Turns(settings.max_inflight_scrapes, settings.scrape_wait_s,
                                    _scrapes_busy)
     app.state.read_turns = Turns(settings.max_inflight_reads, READ_WAIT_S, reads_busy)
+    app.state.scrapes = ScrapeClock()  # when /metrics was read (the trainer's last scrape)
     app.state.ready = False
     for router in ROUTERS:
         if ingest or router is not ingest_router:

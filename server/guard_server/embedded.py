@@ -16,6 +16,7 @@ import uvicorn
 from guard_server.app import create_app
 from guard_server.listen import listening_socket
 from guard_server.runner import QuietAcceptServer, uvicorn_config
+from guard_server.scrapes import LAST_SCRAPE_WAIT_S, ScrapeClock
 from guard_server.settings import Settings
 from guard_server.store import Store
 
@@ -102,6 +103,17 @@ class EmbeddedServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
         return self.url
+
+    def last_scrape(self, most_s: float = LAST_SCRAPE_WAIT_S) -> bool | None:
+        """Where something scrapes this endpoint on an interval (two scrapes seen), wait for
+        its next scrape (at most twice its interval and a second, and `most_s`), so that it
+        reads the state as it is now (the trainer's final report, before the process exits).
+        True once one came, False when none came in time, None when nothing scrapes it."""
+        scrapes: ScrapeClock = self.app.state.scrapes
+        wait_s = scrapes.last_scrape_wait(most_s)
+        if self.url is None or wait_s <= 0:
+            return None
+        return scrapes.wait_after(scrapes.clock(), wait_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving and join the thread (at most `timeout_s`); idempotent."""

@@ -52,6 +52,9 @@ PER_RANK: tuple[Family, ...] = (
     Family("guard_last_report_timestamp_seconds", "gauge",
            "Unix time at which the server last accepted a report from this rank.", (),
            lambda r, seen: (((), seen),)),
+    Family("guard_rank_finished", "gauge",
+           "1 once this rank's guard sent its last report (detach: the run ended or halted); "
+           "0 while it trains.", (), lambda r, seen: (((), 1.0 if r.final else 0.0),)),
     Family("guard_loss", "gauge", "Last finite loss the guard saw on this rank.", (),
            lambda r, seen: _gauge(r.loss), varies=True),
     Family("guard_padding_mass_ratio", "gauge",

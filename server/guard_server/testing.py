@@ -160,19 +160,22 @@ def run_prometheus(
     drop_metrics: str | None = None,
     start_timeout_s: float = 30.0,
     binary: str | None = None,
+    config: str | None = None,
 ) -> Iterator[Prometheus]:
     """Start Prometheus on a free loopback port scraping `targets`; always stop it.
 
     Targets are "host:port" or base URLs such as `EmbeddedServer.url`; `drop_metrics`, a
     regex of metric names dropped at scrape (metric relabeling), as deploy/'s recipes do.
+    `config`: a whole configuration (YAML or JSON) instead, the other arguments unused.
     """
     binary = binary or prometheus_binary()
     if binary is None:
         raise FileNotFoundError("prometheus binary not found (Debian package `prometheus`)")
     with tempfile.TemporaryDirectory(prefix="guard-prometheus-") as tmp:
         workdir = Path(tmp)
-        (workdir / "prometheus.yml").write_text(_config(targets, scrape_interval_s, rule_files,
-                                                           drop_metrics))
+        if config is None:
+            config = _config(targets, scrape_interval_s, rule_files, drop_metrics)
+        (workdir / "prometheus.yml").write_text(config)
         # The free port can be taken between probe and bind (Prometheus then exits at once);
         # a fresh port covers that race. Alive but never ready is not worth another wait.
         for _ in range(3):

@@ -221,6 +221,10 @@ class StepReport(_Wire):
     logsumexp: Annotated[Finite | None, Since(3)] = None  # log Z of the real-vocab logits
     logsumexp_max: Annotated[Finite | None, Since(3)] = None  # and its largest
     scaler_skipped_steps: Annotated[Count | None, Since(3)] = None  # skipped by GradScaler
+    # The padding mass per position above which the padding_mass check fires (its policy's
+    # threshold, or the excess bound for this vocab): what padding_mass_max is judged against.
+    # Absent: not reported (the check is off, or an older guard): not shown.
+    padding_mass_bound: Annotated[Ratio | None, Since(3)] = None
 
 
 class ReportBatch(_Wire):

@@ -53,6 +53,7 @@ def fault_exposition(scrape: int, now: float) -> str:
     families: list[tuple[str, str, list[tuple[str, float]]]] = [
         ("guard_step", "gauge", [(r0, 100 + n), (r1, 40)]),
         ("guard_last_report_timestamp_seconds", "gauge", [(r0, now), (r1, now - 600)]),
+        ("guard_rank_finished", "gauge", [(r0, 0), (r1, 0)]),  # neither detached
         ("guard_loss", "gauge", [(r0, 87.3), (r1, 2.1)]),
         ("guard_padding_mass_ratio", "gauge", [(r0, 0.99), (r1, 0.99)]),  # garbage rows
         ("guard_padding_mass_max_ratio", "gauge", [(r0, 1.0), (r1, 1.0)]),

@@ -302,7 +302,7 @@ def test_panels_show_the_faults(live: Live) -> None:
     assert _positive(q(_panel("Skipped optimizer steps")), "rank") == {("1",)}
     assert _positive(q(_panel("Blind checks (coverage)")), "rank") == {("1",)}
     assert _by(q(_panel("Halted ranks")), "run_id") == {("",): 1.0}
-    assert _by(q(_panel("Latest step")), "run_id") == {(RUN,): float(LAST_STEP)}
+    assert _by(q(_panel("Latest step, finished ranks")), "run_id") == {(RUN,): float(LAST_STEP)}
     assert _by(q(_panel("Vocab sizes (real / rows / aligned)")), "kind") == {
         ("real",): REAL,
         ("rows",): ROWS,

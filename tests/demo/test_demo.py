@@ -41,7 +41,16 @@ def test_seed_scenario_the_guard_notices_at_step_1_and_no_nan_check_does(tmp_pat
     assert (arms["fail"]["violations"], arms["mask"]["violations"]) == (1, 0)
     assert arms["mask"]["over_bound"] == 8
     assert arms["mask"]["verdict"].startswith("masked: padding mass over 10x healthy before "
-                                              "the mask at 8 reads; 0 violations")
+                                              "the mask at 8 of 8 reads; 0 violations")
+    # The mask arm's padding mass is the one before the mask (the README's figure), not the
+    # 0 the masked logits give; the reference has no padding column.
+    assert min(arms["mask"]["padding_mass"]) > 0.5
+    assert arms["reference"]["padding_mass"] == [0.0] * 8
+    # The closing sentences are this run's: the figures in them are the recorded series'.
+    said = " ".join(summary["findings"])
+    mass = unguarded["padding_mass"]
+    assert f"at step 8 it is {mass[-1]:.2g}" in said
+    assert f"ends at {unguarded['final_loss']:.3f}" in said
     assert arms["unguarded"]["violations"] is None
     assert summary["mask_vs_reference_max_abs_diff"] < 1e-4
     # The stall: behind the reference already after 8 steps.
@@ -61,6 +70,12 @@ def test_the_closing_line_is_true_without_a_terminal(
     rc = main(["demo", "--steps", "1", "--serve", "127.0.0.1:0", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "endpoint is closed" in out and "until exit" not in out
+    # Not a terminal: the table at its natural width (rich would cut it to 80 columns), every
+    # heading whole on one line, and sentences not folded.
+    assert "padding mass before any mask, step 1 / last" in out
+    assert "head over the real vocab only" in out
+    assert max(len(line) for line in out.splitlines()) > 80
+    assert "The unguarded run's padding mass (before any mask) was over the guard's bound" in out
 
 
 def test_corpus_is_deterministic_and_in_the_real_vocab() -> None:

@@ -235,7 +235,7 @@ def test_ghost_input_ids_and_labels() -> None:
     assert g.stats["out_of_range"] == {"input": 1, "label": 1}
     with guard.attach(m, policy=policy(), vocab_size=100) as g:
         _, loss = m(x, y)
-        with pytest.raises(GuardViolation, match=r"1 input ids and 1 label ids outside \[0, 100\)"
+        with pytest.raises(GuardViolation, match=r"1 input id and 1 label id outside \[0, 100\)"
                            r".*also at this step: nonfinite"):
             g.step(loss)  # the ghost label's logit is masked to -inf: the loss is inf too
     with guard.attach(m, policy=policy(token_range={"ignore_index": None, "action": "warn"}),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from guard.cli import SIGPIPE_STATUS, main
-from tests.guard.vocab.test_checkpoint import write_model
+from tests.guard.checkpoint.test_checkpoint import write_model
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def test_an_optimizer_without_found_inf_is_said_at_attach(
             guard.attach(m, policy=policy(), vocab_size=100, optimizer=opt):
         pass
     said = [r.message for r in caplog.records if "sync per step" in r.message]
-    assert said == ["guard: nonfinite, token_range (AdamW) read before each update: this "
+    assert said == ["nonfinite, token_range (AdamW) read before each update: this "
                     "optimizer needs a sync per step for fail/skip: use fused=True "
                     "(torch.optim.AdamW, Adam, SGD) to drop a bad update on the device instead"]
 

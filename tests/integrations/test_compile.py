@@ -344,7 +344,7 @@ def test_nanogpt_label_without_a_row_ends_in_the_guards_message() -> None:
     y[2, 7] = 5000
     y[:, -1] = -1  # nanoGPT's own ignore value, left as it is
     with guard.attach(m, policy=policy(token_range={"ignore_index": -1}), vocab_size=REAL) as g, \
-            pytest.raises(guard.GuardViolation, match=r"1 label ids outside \[0, 100\) \(ignore "
+            pytest.raises(guard.GuardViolation, match=r"1 label id outside \[0, 100\) \(ignore "
                           r"index -1 exempt\): ids >= 128 \(highest 5000\) have no row at all.*"
                           r"labels 5000 at \[2, 7\]"):
         m(x, y)[1].backward()

@@ -81,7 +81,7 @@ def assert_both_stopped_at_the_ghost(res: dict[str, Any], i: int, attach: int = 
     # Both raise at step 3, naming rank 1, though rank 0 saw nothing wrong.
     assert (res["raised_at"], res["check"], res["step"], res["violation_rank"]) == \
         (3, "token_range", 3, 1)
-    assert res["message"].startswith("token_range on rank 1 at step 3: 1 label ids")
+    assert res["message"].startswith("token_range on rank 1 at step 3: 1 label id")
     # One all-reduce per step read (3 steps): the read at detach is local, since a rank may
     # detach alone (after an exception) and must not hang the rest.
     assert res["counts"]["read"] == 4

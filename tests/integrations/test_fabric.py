@@ -96,7 +96,7 @@ def test_a_ghost_label_stops_as_token_range_before_the_update(when: str, keyword
         x, y = batch(REAL, seed=1)
         y[0, 3] = 120  # in [real, rows): an id the tokenizer cannot produce
         before = weights(r.model)
-        with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 2: 1 label ids "
+        with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 2: 1 label id "
                            r"outside \[0, 100\).*ghost ids.*labels 120 at \[0, 3\]") as e:
             r.step(x, y, keyword=keyword)
         assert unchanged(r.model, before)

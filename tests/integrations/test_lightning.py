@@ -95,7 +95,7 @@ def test_fail_stops_fit_before_the_update_with_the_guards_message() -> None:
     lm = LM()
     before = {k: v.clone() for k, v in lm.state_dict().items()}
     cb = GuardCallback(policy=policy(), vocab_size=100)
-    with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 1: 1 label ids "
+    with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 1: 1 label id "
                        r"outside \[0, 100\)") as e:
         fit(lm, cb, 3, loader(ghost_at=1))
     assert (e.value.check, e.value.step) == ("token_range", 1)

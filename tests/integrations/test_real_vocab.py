@@ -16,7 +16,7 @@ from transformers import GPT2LMHeadModel
 
 import guard
 from guard import AttachError, GuardViolation
-from guard.vocab.checkpoint import audit_checkpoint
+from guard.checkpoint_audit import audit_checkpoint
 from tests.conftest import policy
 from tests.integrations.test_transformers import examples, gpt2, word_tokenizer
 

@@ -239,7 +239,7 @@ def test_label_smoothing_over_padding_columns_is_refused_at_train_begin(tmp_path
     cb = GuardCallback(policy=policy())
     t = trainer(model, tok, examples(tok), cb, tmp_path, label_smoothing_factor=0.1)
     with pytest.raises(AttachError, match=r"label_smoothing_factor=0\.1 smooths over all 64 "
-                       r"columns of the logits, the \d+ padding columns .* Set "
+                       r"columns of the logits, the \d+ padding columns .* Or set "
                        r"label_smoothing_factor=0"):
         t.train()
     assert t.state.global_step == 0 and hook_count(model) == 0
@@ -470,7 +470,7 @@ def test_a_run_that_warns_every_step_says_when_its_log_thins_out_and_sums_up_at_
     assert said[4].endswith("(occurrence 5; from here on 1 in 100 is logged, and any that is "
                             "worse; every one is counted in g.stats['violations'] and "
                             "guard_violations_total)")
-    assert said[5].startswith("guard: padding_mass at detach: 21 violation step(s) (warn)")
+    assert said[5].startswith("padding_mass at detach: 21 violation step(s) (warn)")
     assert said[5].endswith("the last at step 21; 16 not logged one by one")
 
 

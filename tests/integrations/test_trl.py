@@ -21,6 +21,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 import guard
 from guard.integrations.transformers import guard_trainer
+from tests.conftest import hook_count
 from tests.integrations.test_transformers import SENTENCES, word_tokenizer
 
 # transformers 5.24 deprecates the gradient-checkpointing names that TRL 1.16 still uses.
@@ -133,3 +134,45 @@ def test_dpo_policy_forwards_get_the_real_rows(tmp_path: Path) -> None:
     assert cb.guard is not None and cb.guard.stats["violations"] == {}
     assert grads and all(g[real:].abs().max() == 0 for g in grads)
     assert any(g[:real].abs().max() > 0 for g in grads)
+
+
+def test_dpo_reference_model_is_masked_too_so_rewards_start_at_zero(tmp_path: Path) -> None:
+    """Issue 39 item 5: with hot padding rows and the policy equal to the reference, DPO's
+    rewards at the first step are ~0 only if the reference's padding is masked as the
+    policy's is (unmasked they follow the padding rows)."""
+    tok = tokenizer()
+    model = qwen2(len(tok), garbage=3.0)
+    data = Dataset.from_dict({"prompt": SENTENCES[:2] * 4,
+                              "chosen": SENTENCES[2:] * 4, "rejected": SENTENCES[:2] * 4})
+    args = DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1,
+                     per_device_train_batch_size=4, save_strategy="no", logging_steps=1,
+                     learning_rate=0.0, disable_tqdm=True, seed=0)
+    ref = copy.deepcopy(model)
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tok,
+                         train_dataset=data)
+    cb = guard_trainer(trainer, policy=QUIET)
+    trainer.train()
+    (logs,) = [e for e in trainer.state.log_history if "rewards/chosen" in e]
+    assert abs(logs["rewards/chosen"]) < 1e-4 and abs(logs["rewards/rejected"]) < 1e-4
+    assert logs["loss"] == pytest.approx(0.6931, abs=1e-3)  # log 2: no preference yet
+    cb.release()  # the reference's hooks go with the policy's after-training mask
+    assert hook_count(ref) == 0 and "get_output_embeddings" not in ref.__dict__
+
+
+@pytest.mark.filterwarnings("ignore:`label_smoothing_factor` is deprecated:FutureWarning")
+def test_sft_label_smoothing_trains_the_real_vocab_smoothed_loss(tmp_path: Path) -> None:
+    """Issue 39 item 2 through TRL: SFTTrainer smooths with the Trainer's label smoother, which
+    guard_trainer runs over the real columns (unguarded over the masked padding: +inf)."""
+    tok = tokenizer()
+    real = len(tok)
+    model = qwen2(real, garbage=1.0)
+    reference = sft(real_only(model, real), tok, tmp_path / "ref", label_smoothing_factor=0.1)
+    trainer = sft(model, tok, tmp_path / "run", label_smoothing_factor=0.1)
+    cb = guard_trainer(trainer, policy=QUIET)
+    reference.train()
+    trainer.train()
+    want = [e["loss"] for e in reference.state.log_history if "loss" in e]
+    loss = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(loss) == 3 and loss[0] == pytest.approx(want[0], abs=1e-4) and want[0] > 0
+    assert cb.guard is not None  # its garbage rows repaired at attach; the loss finite
+    assert set(cb.guard.stats["violations"]) == {"padding_rows"}

@@ -113,9 +113,11 @@ def test_counted_in_the_step_that_uses_them_and_repaired_to_the_trained_mean_fir
     (said,) = [r.message for r in caplog.records
                if r.message.startswith("untrained_rows on rank 0 at step 1")]
     names = ", ".join(f"{i} {t!r}" for i, t in zip(used, CHAT, strict=True))
-    assert said.startswith(f"untrained_rows on rank 0 at step 1: {first['input']} input ids "
-                           f"and {first['label']} labels fell on rows of the real vocab that "
-                           f"were never trained: ids {names} (untrained in "
+    n_in, n_label = first["input"], first["label"]
+    assert said.startswith(f"untrained_rows on rank 0 at step 1: {n_in} input "
+                           f"id{'' if n_in == 1 else 's'} and {n_label} "
+                           f"label{'' if n_label == 1 else 's'} fell on rows of the real vocab "
+                           f"that were never trained: ids {names} (untrained in "
                            "model.embed_tokens.weight and lm_head.weight)")
     assert said.endswith("setting the rows of the ids used (embedding and head) to the mean "
                          "of the trained rows in place, before the update (action: repair).")
@@ -136,7 +138,7 @@ def test_fail_stops_the_trainer_before_the_update_with_ids_tokens_and_the_fix(
     t = hf_trainer(m, tok, tmp_path)
     guard_trainer(t, policy=rules("fail"))
     with pytest.raises(GuardViolation, match=(
-            r"untrained_rows on rank 0 at step 1: \d+ input ids and \d+ labels fell on rows of "
+            r"untrained_rows on rank 0 at step 1: \d+ input ids? and \d+ labels? fell on rows of "
             r"the real vocab that were never trained: ids \d+ '<\|start_header_id\|>', \d+ "
             r"'<\|end_header_id\|>', \d+ '<\|eot_id\|>' \(untrained in .*\)\..*stopping before "
             r"the update \(action: fail\)\. Set checks\.untrained_rows\.action: repair")) as e:

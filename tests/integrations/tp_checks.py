@@ -81,7 +81,7 @@ def assert_ghost_stops_every_rank(ranks: list[dict[str, Any]]) -> None:
         v = res["violation"]
         assert res["raised_at"] == 2 and res["unchanged"]
         assert (v["check"], v["step"]) == ("token_range", 2)
-        assert "label ids" in v["message"] and str(REAL + 7) in v["message"]
+        assert "label id" in v["message"] and str(REAL + 7) in v["message"]
         # The input id too, as a global id, through the vocab-parallel embedding.
         assert res["out_of_range"] == {"input": 1, "label": 1}
 

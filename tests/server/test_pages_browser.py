@@ -13,8 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
+from guard.checks.padding_mass import bound
+from guard.policy import Policy
 from guard_server import EmbeddedServer, Settings
 from tests.browser import Chromium, chromium_binary
+from tests.integrations import nanogpt
 from tests.server.conftest import MakeBatch
 from tests.server.page_runs import RUN_ID, train_and_push
 from tests.server.test_pages import BREAKOUT, MODULE, SCRIPT, TOKEN, hostile_event
@@ -73,6 +76,12 @@ def test_the_list_of_runs_as_a_person_sees_it(server: EmbeddedServer, browser: C
     rows: dict[str, Any] = browser.evaluate(ROWS)
     assert rows["rank-2"].split("\t")[:3] == ["2", "halted: token_range", "12"]
     assert rows["rank-0"].split("\t")[:3] == ["0", "finished", "20"]
+    # The padding mass beside the bound it is judged against: the default policy's for
+    # nanoGPT's 100 real ids of 128 rows, as each guard put it on the wire.
+    limit = bound(Policy(), nanogpt.REAL, nanogpt.ROWS)
+    assert f"; bound {limit:.4g})" in rows["rank-0"] or f"; over the bound {limit:.4g})" in \
+        rows["rank-0"]
+    assert "1 ranks" not in text and "1 label ids" not in text
     # The halted mark is drawn as its stylesheet says: the inline style the CSP allows applied.
     colour = browser.evaluate("getComputedStyle(document.querySelector('span.halted'))"
                               ".backgroundColor")
@@ -97,7 +106,7 @@ def test_a_runs_page_draws_each_ranks_sparklines(server: EmbeddedServer, browser
     box = browser.evaluate("document.querySelector('svg.spark polyline').getBBox().width")
     assert box > 100  # drawn across the sparkline's 120 pixels
     why = browser.evaluate("document.querySelector('td.why').innerText")
-    assert why.startswith("token_range on rank 2 at step 12: 1 label ids outside [0, 100)")
+    assert why.startswith("token_range on rank 2 at step 12: 1 label id outside [0, 100)")
     browser.open(f"{server.url}/runs/hostile-run")
     assert browser.evaluate(RAN) == ["undefined", 0, 0, 0]
     assert browser.evaluate("document.title") == "hostile-run: logitguard"

@@ -354,3 +354,20 @@ def test_the_series_cap_holds_for_new_ranks_and_for_growth(make_batch: Any, cloc
     clock.advance(60)
     store.ingest(_batch(make_batch, rank=4))  # the expired ranks gave their series back
     assert store.held_series == per
+
+
+def test_a_resumed_attach_is_taken_at_its_checkpoints_step(make_batch: Any, clock: Any) -> None:
+    """A run resumed from a checkpoint (g.load_state_dict) is a new attach that starts at the
+    checkpoint's step, far past the step burst, with the checkpoint's totals: taken at once,
+    on a server that held the rank and on one that restarted too (docs/wire.md)."""
+    settings = Settings()
+    far = settings.step_burst * 5
+    store = Store(settings, clock=clock)
+    store.ingest(_batch(make_batch, steps=(far + 900,), attach_id="before-resume", skipped_steps=4))
+    clock.advance(3600)  # preempted, resumed from the checkpoint of step `far`
+    store.ingest(_batch(make_batch, steps=(far + 1,), attach_id="resumed-attach", skipped_steps=3))
+    (view,) = store.snapshot().ranks
+    assert (view.latest.step, view.latest.skipped_steps) == (far + 1, 3)
+    fresh = Store(settings, clock=clock)
+    fresh.ingest(_batch(make_batch, steps=(far + 1,), attach_id="resumed-attach", skipped_steps=3))
+    assert fresh.snapshot().ranks[0].latest.step == far + 1

@@ -103,7 +103,7 @@ def test_non_finite_floats_are_rejected(wire_example: dict[str, Any], literal: s
 # Since(N): optional, absent = not reported.
 ADDED_LATER = {"untrained_rows": 2, "untrained_tokens": 2, "grad_norm": 3, "grad_norm_top": 3,
                "grad_norm_top_share": 3, "logsumexp": 3, "logsumexp_max": 3,
-               "scaler_skipped_steps": 3}
+               "scaler_skipped_steps": 3, "padding_mass_bound": 3}
 
 
 def test_every_field_of_the_first_release_is_required(wire_example: dict[str, Any]) -> None:

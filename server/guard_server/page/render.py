@@ -13,6 +13,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.responses import HTMLResponse
 
 from guard_server.page.sizes import TOOLTIP, visible
+from guard_server.page.views import plural
 
 __all__ = ["CSP", "REFRESH_S", "page"]
 
@@ -33,6 +34,7 @@ REFRESH_S = 5  # the page reloads itself (a meta refresh: no script)
 _ENV = Environment(loader=FileSystemLoader(_HERE / "templates"), autoescape=True,
                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 _ENV.filters["visible"] = visible  # bidi controls in a tooltip, written out (page/sizes.py)
+_ENV.filters["plural"] = plural  # "1 rank", "2 ranks"
 _ENV.globals["tooltip"] = TOOLTIP  # characters of a message in its tooltip
 
 

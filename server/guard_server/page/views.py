@@ -14,14 +14,15 @@ from guard_server.trail import Point
 from guard_server.wire import Event, StepReport
 
 __all__ = [  # noqa: RUF022 - sorted() order, as tests/server/test_isolation.py checks
-    "EVENTS_SHOWN", "EventRow", "RANKS_SHOWN", "RankRow", "RunRow", "age", "rank_rows",
-    "recent_events", "run_rows",
+    "EVENTS_SHOWN", "EventRow", "RANKS_SHOWN", "RankRow", "RunRow", "age", "cut",
+    "padding_mass_text", "plural", "rank_rows", "recent_events", "run_rows",
 ]
 
 RANKS_SHOWN = 8  # per run on the list of runs: those that need a look first
 EVENTS_SHOWN = 32  # on a page, newest first: one report's worth (wire.MAX_EVENTS)
 _RECENT = 5  # per run on the list of runs
-WHY_SHOWN = 600  # characters of a halted rank's message in its row (whole in the events)
+WHY_SHOWN = 600  # characters of a halted rank's message in its row (cut at a space; whole in
+# the events)
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,36 @@ def _why(view: RankView) -> str:
                                and e.check == view.latest.halted), None)
     if stop is None:
         return ""
-    text = stop.message
-    return text if len(text) <= WHY_SHOWN else text[:WHY_SHOWN] + " [...]"
+    return cut(stop.message, WHY_SHOWN)
+
+
+def cut(text: str, most: int) -> str:
+    """`text` whole if it has at most `most` characters, else cut at the last space within
+    them (never inside a word or a number: "vocab 1000" is not shown as "vocab 100") and
+    marked " [...]"; a text without a space there is cut at `most`."""
+    if len(text) <= most:
+        return text
+    head = text[:most]
+    if not text[most].isspace() and (space := head.rfind(" ")) > 0:
+        head = head[:space]
+    return head.rstrip() + " [...]"
+
+
+def plural(n: int, word: str) -> str:
+    """ "1 rank", "2 ranks": `word` is the singular, its plural adds an s."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def padding_mass_text(mean: float | None, top: float | None, limit: float | None) -> str:
+    """The padding mass as the page shows it: the mean, the largest position's and the bound
+    it is judged against (the check fires when the largest is over it; where the report
+    carries it)."""
+    text = _num(mean, "not measured")
+    notes = [] if top is None else [f"max {top:.4g}"]
+    if limit is not None and mean is not None:
+        over = top is not None and top > limit
+        notes.append(f"{'over the' if over else ''} bound {limit:.4g}".strip())
+    return text + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _rank(view: RankView, now: float, trail: Sequence[Point] | None = None) -> RankRow:
@@ -125,9 +154,7 @@ def _rank(view: RankView, now: float, trail: Sequence[Point] | None = None) -> R
     if r.grad_norm is not None and r.grad_norm_top is not None:
         share = "" if r.grad_norm_top_share is None else f" {r.grad_norm_top_share:.0%}"
         top = (r.grad_norm_top, share)
-    mass = _num(r.padding_mass, "not measured")
-    if r.padding_mass_max is not None:
-        mass += f" (max {r.padding_mass_max:.4g})"
+    mass = padding_mass_text(r.padding_mass, r.padding_mass_max, r.padding_mass_bound)
     loss_spark = None if trail is None else sparkline([(s, v) for s, v, _ in trail], "loss")
     mass_spark = None if trail is None else sparkline([(s, m) for s, _, m in trail],
                                                       "padding mass")

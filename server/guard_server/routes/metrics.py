@@ -88,11 +88,14 @@ async def metrics(request: Request, store: StoreDep, turns: ScrapeTurnsDep) -> R
         raise HTTPException(503, str(exc), headers=headers) from None
     chunks = exposition(store, encode)
     turn.callback(chunks.close)  # a scrape cut short lets go of its keys now, not at GC
+    scrapes = request.app.state.scrapes
+    started = scrapes.clock()
     try:
         first = await run_in_threadpool(next, chunks)
     except BaseException:
         await turn.aclose()
         raise
+    scrapes.note(started)  # the trainer's endpoint, read whole by now, may stop after this
     if len(first) < SEND_BYTES:  # all of it: only the last chunk is shorter
         return _TurnHeld(first, content_type, turn)
     return _Exposition(first, chunks, content_type, turn)

@@ -1,8 +1,9 @@
 """Static guard on the hot path: nothing the guard runs inside a hook reads a tensor to the host.
 
 Three scans, all of the code as it is (no list kept by hand):
-- every file under guard/device/, except the one read of a step boundary (`Flags._wait`) and
-  the host lists it turns into a Reading;
+- every file under guard/device/ and guard/weights/ (a weight's rows, read before each read),
+  except the one read of a step boundary (`Flags._wait`) and the host lists it turns into a
+  Reading;
 - what a stateful check's state runs in the hooks and before each read (guard/stateful/:
   `watches`, `count`, `end_step`, `check`), whatever the check;
 - every function registered through `guard.device.hooks.hook`, wherever it lives: each call
@@ -22,11 +23,13 @@ import torch
 
 import guard
 import guard.device
+import guard.weights
 from guard.device.hooks import registered
 from tests.conftest import batch, policy, tiny_gpt
 
 GUARD = Path(guard.__file__).parent
 DEVICE = Path(guard.device.__file__).parent
+WEIGHTS = Path(guard.weights.__file__).parent
 # .item() / .cpu() / .tolist() / .numpy() and bool(x) / float(x) / int(x) on a non-literal.
 READS = {"item", "cpu", "tolist", "numpy"}
 CASTS = {"bool", "float", "int"}
@@ -91,7 +94,8 @@ def _imported(tree: ast.Module, name: str) -> tuple[Path, Function] | None:
 
 def hooked_functions() -> dict[tuple[str, int], Function]:
     """Every function given to `hook(...)` (or `wrap_loss(...)`: it runs inside the model's
-    loss function; `wrap_step(...)`: inside a DeepSpeed optimizer's step) under guard/, by
+    loss function; `wrap_step(...)`: inside a DeepSpeed optimizer's step; `wrap_call(...)`:
+    inside a library's function, the loop's gradient clip) under guard/, by
     (file, line of its def): a method (`self._x`), a function of the module, or the nested
     function a factory call returns."""
     found: dict[tuple[str, int], Function] = {}
@@ -102,9 +106,11 @@ def hooked_functions() -> dict[tuple[str, int], Function]:
             # register(fn): a function the guard hands the user (a pipeline's loss_fn)
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and (
                     (call.func.id in ("hook", "wrap_loss", "wrap_step") and len(call.args) >= 2)
+                    or (call.func.id == "wrap_call" and len(call.args) == 3)
                     or (call.func.id == "register" and len(call.args) == 1))):
                 continue
-            arg, scope = call.args[-1 if call.func.id == "register" else 1], parents[call]
+            arg, scope = call.args[-1 if call.func.id in ("register", "wrap_call") else 1], \
+                parents[call]
             while not isinstance(scope, ast.ClassDef | ast.Module):
                 scope = parents[scope]
             factory = isinstance(arg, ast.Call)
@@ -130,7 +136,8 @@ def test_the_folder_holds_the_hook_code() -> None:
     assert {"ops.py", "flags.py", "probe.py", "loss.py", "logits.py", "hooks.py"} <= names
 
 
-@pytest.mark.parametrize("path", sorted(DEVICE.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*DEVICE.glob("*.py"), *WEIGHTS.glob("*.py")]),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_no_host_read_in_device_code(path: Path) -> None:
     hits = [(fn, line, call) for fn, line, call in host_reads(path)
             if (path.name, fn) not in ALLOWED]
@@ -159,11 +166,11 @@ def test_the_state_scan_sees_every_state() -> None:
 def test_no_host_read_in_any_function_registered_as_a_hook() -> None:
     fns = hooked_functions()
     # The sites as they are: the probe's six, the clock's three, the inputs kept for a re-run,
-    # the localiser's per-module hook and the mask a detach can leave.
+    # the localiser's per-module hook, the mask a detach can leave and the clip's total norm.
     names = {f.name for f in fns.values()}
     assert {"_model_pre", "_model_post", "_embedding_pre", "_head_pre", "_head_post",
             "_hidden_post", "_optimizer_pre", "_forward_start", "_forward_end", "_keep",
-            "hook", "mask", "at_loss"} <= names
+            "hook", "mask", "at_loss", "total_norm"} <= names
     hits = {f"{Path(file).relative_to(GUARD)}:{fn.name}": calls_in(fn)
             for (file, _), fn in fns.items() if calls_in(fn)}
     assert hits == {}

@@ -169,3 +169,45 @@ def test_tensor_parallel_repair_touches_the_padding_rows_only() -> None:
         assert_mean_rows(m.wte.weight, real=100)
         assert_mean_rows(m.lm_head.weight, real=36)
     assert g.stats["violations"]["padding_rows"] == {"repair": 1}
+
+
+def copies_of_the_last_real_row(tie: bool) -> torch.nn.Module:
+    """What a checkpoint converter leaves when it pads the vocab for a new tensor-parallel size:
+    each padding row [100, 128) a copy of real row 99, its norm a real row's."""
+    m = tiny_gpt(tie=tie)
+    with torch.no_grad():
+        for w in {id(p): p for p in (m.wte.weight, m.lm_head.weight)}.values():
+            w[100:] = w[99]
+    return m
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_padding_rows_that_copy_a_real_row_are_a_finding_at_attach(tie: bool) -> None:
+    """Issue 39 item 1: each such ghost id takes exactly id 99's probability; the norm rule
+    passes them, the copy rule does not."""
+    m = copies_of_the_last_real_row(tie)
+    weights = r"wte\.weight \(tied: lm_head\.weight\)" if tie else \
+        r"wte\.weight and lm_head\.weight"
+    with pytest.raises(GuardViolation, match=(
+            r"padding_rows on rank 0 at step 0: rows \[100, 128\) of " + weights + r": "
+            rf"{28 if tie else 56} rows that copy real row 99 \(what a checkpoint converter "
+            r"padding for a new tensor-parallel size leaves: each such ghost id takes exactly "
+            r"id 99's probability\), expected no copy of a real row")):
+        guard.attach(m, policy=rows_policy("fail"), vocab_size=100)
+    assert hook_count(m) == 0
+    m = copies_of_the_last_real_row(tie)
+    with guard.attach(m, policy=rows_policy(), vocab_size=100) as g:  # the default: repair
+        assert_mean_rows(m.lm_head.weight)
+        m(*batch())
+        g.step()
+    assert g.stats["violations"]["padding_rows"] == {"repair": 1}
+
+
+def test_zero_padding_rows_are_no_copies() -> None:
+    m = tiny_gpt()
+    with torch.no_grad():
+        m.lm_head.weight[99:] = 0.0  # a zero real row and zero padding rows: no token's copy
+    with guard.attach(m, policy=rows_policy("warn"), vocab_size=100) as g:
+        m(*batch())
+        g.step()
+    assert "padding_rows" not in g.stats["violations"]

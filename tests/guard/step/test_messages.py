@@ -40,7 +40,7 @@ def test_the_last_full_message_says_that_the_log_thins_out_and_where_the_counts_
     assert logged[4] == ("padding_mass at step 5: 0.5 (occurrence 5; from here on 1 in 100 is "
                          "logged, and any that is worse; every one is counted in "
                          "g.stats['violations'] and guard_violations_total)")
-    assert logged[5] == ("guard: padding_mass at detach: 21 violation step(s) (warn), the worst "
+    assert logged[5] == ("padding_mass at detach: 21 violation step(s) (warn), the worst "
                          "0.5 at step 21, the last at step 21; 16 not logged one by one")
 
 
@@ -67,8 +67,8 @@ def test_fail_is_left_to_its_error_and_a_once_key_is_logged_once(
         m.summary()
     assert lines(caplog) == [
         "coverage at step 1: 0.5",
-        "guard: nonfinite at detach: 1 violation step(s) (fail), the worst 0.5 at step 1, the "
+        "nonfinite at detach: 1 violation step(s) (fail), the worst 0.5 at step 1, the "
         "last at step 1",
-        "guard: coverage at detach: 3 violation step(s) (warn), the worst 0.5 at step 3, the last "
+        "coverage at detach: 3 violation step(s) (warn), the worst 0.5 at step 3, the last "
         "at step 3; 2 not logged one by one",
     ]

@@ -255,3 +255,20 @@ def test_labels_not_seen_are_the_first_suspect_of_an_infinite_loss() -> None:
     seen = reading({nonfinite.LOSS: 1}, over={nonfinite.LOSS: 0})
     (nf,) = verdict(seen).violations
     assert "labels" not in nf.message and "Check the learning rate" in nf.message
+
+
+def test_an_inf_loss_with_labels_in_range_is_named_a_loss_over_every_column() -> None:
+    """+inf, not NaN, under the mask with no ghost label: a loss over every column (label
+    smoothing) met the -inf padding columns (issue 39 item 2); labels unseen stay a suspect."""
+    over = {nonfinite.LOSS: 0, nonfinite.LOSS_INF: 0, coverage.BLIND["labels"]: 0}
+    r = reading({nonfinite.LOSS: 1, nonfinite.LOSS_INF: 1}, over=over)
+    nf = next(v for v in verdict(r).violations if v.check == "nonfinite")
+    assert "The loss is inf: a loss over every column with the padding columns masked to -inf " \
+           "(label smoothing?): compute it over logits[..., :100]." in nf.message
+    blind = reading({nonfinite.LOSS: 1, nonfinite.LOSS_INF: 1, coverage.BLIND["labels"]: 1},
+                    over=over)
+    nf = next(v for v in verdict(blind).violations if v.check == "nonfinite")
+    assert "logits[..., :100]; or a label in [100, 128): this step's labels were not " \
+           "checked" in nf.message
+    nan = reading({nonfinite.LOSS: 1}, over={nonfinite.LOSS: 0})
+    assert all("label smoothing" not in v.message for v in verdict(nan).violations)
