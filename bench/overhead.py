@@ -10,9 +10,12 @@ median step time (forward, backward, AdamW) of each arm over the baseline's medi
     python bench/overhead.py --sweep --write docs/benchmarks.md   # the vocabulary sweep
     python bench/overhead.py --arms baseline,default --clip 1.0  # every arm clips, as HF does
 
-Arms: default policy, mask, all checks warn, exact padding mass, and the anchors
-torch.autograd.detect_anomaly() and transformers' DebugUnderflowOverflow. Peak memory with and
-without the mask is measured in child processes (one arm each).
+Arms: default policy, mask, all checks warn, exact padding mass, the default policy reading
+before each update (`sync-fail`: `cadence.fail_read: before_update`, today's synchronous fail),
+and the anchors torch.autograd.detect_anomaly() and transformers' DebugUnderflowOverflow.
+`--fused`: each arm beside its twin with a fused AdamW (`NAME+fused`, against
+`baseline+fused`), whose found_inf lets fail/skip drop a bad update on the device. Peak memory
+with and without the mask is measured in child processes (one arm each).
 
 `--sweep`: the worst case for the guard's logits work, a head-dominated model (2 layers, d 64,
 tied, so the head and the loss over the vocabulary are most of the step) at five vocabulary
@@ -64,6 +67,7 @@ ARMS: dict[str, dict[str, Any] | str | None] = {
                             ("alignment", "vocab", "padding_mass", "nonfinite", "token_range",
                              "loss_spike")}},
     "exact": {"checks": {"padding_mass": {"action": "mask", "exact": True}}},
+    "sync-fail": {"cadence": {"fail_read": "before_update"}},
     "detect_anomaly": "anomaly",
     "DebugUnderflowOverflow": "debug_uo",
 }
@@ -79,12 +83,15 @@ class Arm:
     def __init__(self, name: str, base: GPT, device: str, real: int = REAL) -> None:
         self.name = name
         self.model = copy.deepcopy(base).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, fused=False)
+        # NAME+fused: the same arm with a fused AdamW (for-loop / foreach otherwise).
+        self.kind = name.removesuffix("+fused")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4,
+                                     fused=name.endswith("+fused"))
         self.times: list[float] = []
         self.cpu: list[float] = []  # process CPU seconds: what a busy machine cannot inflate
         self.guard: guard.Guard | None = None
         self.debug: Any = None
-        spec = ARMS[name]
+        spec = ARMS[self.kind]
         if isinstance(spec, dict):
             self.guard = guard.attach(self.model, policy=_policy(spec), vocab_size=real,
                                       optimizer=self.opt)
@@ -94,7 +101,7 @@ class Arm:
             self.debug = DebugUnderflowOverflow(self.model, max_frames_to_save=1)
 
     def context(self) -> contextlib.AbstractContextManager[Any]:
-        if ARMS[self.name] == "anomaly":
+        if ARMS[self.kind] == "anomaly":
             return torch.autograd.detect_anomaly(check_nan=True)
         return contextlib.nullcontext()
 
@@ -243,6 +250,8 @@ def main() -> None:
                    "default: baseline,default)")
     p.add_argument("--write", type=Path, help="replace the Overhead (--sweep: the Vocabulary "
                    "size) section of this markdown file")
+    p.add_argument("--fused", action="store_true",
+                   help="each arm beside its twin with a fused AdamW (NAME+fused)")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     # Arms with warn/mask log each violation; the figures are the output here.
@@ -256,7 +265,9 @@ def main() -> None:
         ["baseline", "default"] if args.sweep else list(ARMS))
     if "baseline" not in names:
         names.insert(0, "baseline")
-    unknown = set(names) - set(ARMS)
+    if args.fused:
+        names += [f"{n}+fused" for n in names if not n.endswith("+fused")]
+    unknown = {n.removesuffix("+fused") for n in names} - set(ARMS)
     if unknown:
         p.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
     cmd = "python bench/overhead.py " + " ".join(sys.argv[1:])
@@ -277,15 +288,19 @@ def main() -> None:
         return
     arms = run_interleaved(args, names)
     med = {n: statistics.median(a.times) for n, a in arms.items()}
-    base = arms["baseline"]
-    added = {n: med[n] - med["baseline"] for n in names}
+
+    def base_of(n: str) -> str:  # a fused arm against the fused baseline
+        return "baseline+fused" if n.endswith("+fused") and "baseline+fused" in arms else \
+            "baseline"
+
+    added = {n: med[n] - med[base_of(n)] for n in names}
     # The paired ratios compare each round's steps, run back to back: what a drifting or busy
     # machine does to both cancels out; process CPU time is what load cannot inflate.
     lines = ["| arm | median step (ms) | ratio of medians | paired wall-time ratio | "
              "paired CPU-time ratio |", "|---|---|---|---|---|"]
-    lines += [f"| {n} | {med[n] * 1e3:.1f} | {med[n] / med['baseline']:.3f}x | "
-              f"{paired_ratio(base.times, arms[n].times):.3f}x | "
-              f"{paired_ratio(base.cpu, arms[n].cpu):.3f}x |" for n in names]
+    lines += [f"| {n} | {med[n] * 1e3:.1f} | {med[n] / med[base_of(n)]:.3f}x | "
+              f"{paired_ratio(arms[base_of(n)].times, arms[n].times):.3f}x | "
+              f"{paired_ratio(arms[base_of(n)].cpu, arms[n].cpu):.3f}x |" for n in names]
     if "detect_anomaly" in med and "default" in med:
         da, dflt = added["detect_anomaly"], added["default"]
         lines.append("")

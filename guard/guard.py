@@ -161,8 +161,13 @@ class Guard(Resumable):
             if self._policy.action(state.check_name) is Action.REPAIR:
                 state.repair()
 
-    def detach(self, *, keep_mask: bool = False) -> None:
+    def detach(self, *, keep_mask: bool = False, raise_late: bool = False) -> None:
         """Remove every hook, report the last values, close the sinks. Idempotent.
+
+        `raise_late`: where the flags are read one read late (`cadence.fail_read`), a `fail`
+        at the last step, whose update the optimizer dropped, raises its GuardViolation here
+        (else it is logged). The `with` block's exit without an exception and the callbacks'
+        end of training pass it.
 
         `keep_mask`: under `padding_mass: mask`, leave the padding columns of the head's output
         masked in this process, so evaluation and generation after training score as a head
@@ -174,7 +179,7 @@ class Guard(Resumable):
         self._detached = True
         self._remove()
         try:
-            self._clock.finish()
+            self._clock.finish(raise_late=raise_late)
         finally:
             self._record.emit(final=True)
             self._record.close()
@@ -196,7 +201,7 @@ class Guard(Resumable):
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.detach()
+        self.detach(raise_late=et is None)
 
     def __repr__(self) -> str:
         state = "detached" if self._detached else f"step {self._clock.step}"

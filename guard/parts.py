@@ -23,6 +23,7 @@ from guard.step.clock import StepClock, Steps
 from guard.step.episodes import Episodes
 from guard.step.reader import Names, Reader
 from guard.step.record import Record
+from guard.step.skip import boundary_of, device_skip
 from guard.step.verdict import Note, attach_verdict
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
@@ -79,8 +80,10 @@ class Parts:
         caller = model if caller is None else caller
         episodes = Episodes.from_policy(policy, caller)  # re-runs what was called
         reader = Reader(policy, sizes, Names(heads.lm_head_name), record, episodes, states)
+        skip = device_skip(policy, optimizer, probe.flags,
+                           hooked=outer is None and boundary_of(optimizer, steps) == "optimizer")
         clock = StepClock.from_policy(policy, probe, reader, optimizer=optimizer, steps=steps,
-                                      outer=outer)
+                                      outer=outer, skip=skip)
         return cls(model, heads, policy, sizes, optimizer, probe, states, record, episodes,
                    clock, caller, stage)
 

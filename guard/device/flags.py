@@ -4,7 +4,7 @@ ranks with one all-reduce (MAX), as a `Reading`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,9 @@ class Flags:
         self._blind = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=device)
         self.rank = rank
         self._pending: _Entry | None = None
+        # Called at each read with the all-reduced (slots,) "crossed on a rank" vector, on the
+        # device (guard/step/skip.py's DeviceSkip: found_inf for the optimizer).
+        self.on_snapshot: Callable[[torch.Tensor], None] | None = None
 
     @classmethod
     def from_policy(cls, policy: Policy, device: torch.device, rank: int, *, real: int = 1,
@@ -132,13 +135,14 @@ class Flags:
     # -- the read, at a step boundary ----------------------------------------------------------
 
     def read(self, *, lagged: bool, reduce: bool = True) -> Reading | None:
-        """Values as of now, or (lagged) as of the previous read so the device never stalls.
+        """Values as of now, or (lagged) as of the previous read so the device never stalls
+        (on the CPU too, where a DeviceSkip reads one read late on every device alike).
 
         `reduce=False` (detach: one rank may detach alone, after an exception) skips the
         collective; the values then count for this rank only.
         """
         entry = self._snapshot(reduce)
-        if not lagged or entry[1] is None:
+        if not lagged:
             older, self._pending = self._pending, None
             if older is None:
                 return self.layout.reading(*self._wait(entry))
@@ -164,6 +168,8 @@ class Flags:
             # The one collective of the guard: every rank takes the decision on the same values
             # and learns the highest rank that crossed a threshold.
             dist.all_reduce(both[1:], op=dist.ReduceOp.MAX)
+        if self.on_snapshot is not None:
+            self.on_snapshot(both[2])
         if both.device.type != "cuda":
             return both, None
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)

@@ -21,7 +21,8 @@ __all__ = [
 ]
 
 # grad_accumulated: on a parameter, after its .grad was accumulated in a backward.
-Kind = Literal["forward_pre", "forward", "step_pre", "grad_accumulated"]
+# step_post: on an optimizer, after its step (not after one that raised).
+Kind = Literal["forward_pre", "forward", "step_pre", "step_post", "grad_accumulated"]
 # Under torch.compile: "traced" like the model's own code (the default); "eager": run eagerly
 # where dynamo meets the hook as a frame of its own, traced where it is inlined (host
 # bookkeeping and tiny ops, compile.eager_at_top_level); "never": never traced (host work that
@@ -48,6 +49,10 @@ def hook(target: nn.Module | torch.optim.Optimizer | torch.Tensor, fn: Callable[
         if not isinstance(target, torch.optim.Optimizer):
             raise TypeError(f"a step_pre hook goes on an optimizer, got {type(target).__name__}")
         return target.register_step_pre_hook(fn)
+    if kind == "step_post":
+        if not isinstance(target, torch.optim.Optimizer):
+            raise TypeError(f"a step_post hook goes on an optimizer, got {type(target).__name__}")
+        return target.register_step_post_hook(fn)
     if kind == "grad_accumulated":
         if not isinstance(target, torch.Tensor):
             raise TypeError(f"a grad_accumulated hook goes on a parameter, got "

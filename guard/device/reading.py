@@ -34,6 +34,12 @@ class Layout:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def positions(self, checks: Iterable[str]) -> list[int]:
+        """The positions of the slots of `checks` in the vector."""
+        wanted = set(checks)
+        return [i for name, sl in self._checks if name in wanted
+                for i in range(sl.start, sl.stop)]
+
     def combine(self, old: Sequence[float], new: Sequence[float]) -> list[float]:
         """Two consecutive windows as one: sums add, maxima max, a last value the newer one
         where the newer window wrote it."""

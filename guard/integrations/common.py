@@ -71,9 +71,9 @@ class GuardedTraining:
                             loss_shares=loss_shares, loss_scale=loss_scale, scaler=scaler)
         return self.guard
 
-    def _detach(self, *, keep_mask: bool = False) -> None:
+    def _detach(self, *, keep_mask: bool = False, raise_late: bool = False) -> None:
         if self.guard is not None:
-            self.guard.detach(keep_mask=keep_mask)
+            self.guard.detach(keep_mask=keep_mask, raise_late=raise_late)
 
     def figures(self) -> dict[str, float]:
         """The guard's figures as of its last read, for the trainer's own loggers
@@ -85,10 +85,11 @@ class GuardedTraining:
         they are now (under `padding_rows: repair`), then the guard detached, leaving under
         `mask` the padding columns of the head's output masked in this process, so evaluation
         and generation after training score as a head over the real vocab does
-        (docs/integrations.md, what the callbacks leave behind). `release()` removes that."""
+        (docs/integrations.md, what the callbacks leave behind). `release()` removes that. A fail
+        at the last step read one read late raises here (`Guard.detach(raise_late=True)`)."""
         if self.guard is not None:
             self.guard.repair()
-        self._detach(keep_mask=True)
+        self._detach(keep_mask=True, raise_late=True)
 
     def release(self) -> None:
         """Remove the mask `finish()` left on the head; idempotent."""

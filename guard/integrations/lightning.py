@@ -126,6 +126,8 @@ class GuardCallback(GuardedTraining, pl.Callback):
                      exception: BaseException) -> None:
         self._detach()
 
-    def _detach(self, *, keep_mask: bool = False) -> None:
-        super()._detach(keep_mask=keep_mask)
-        self._loss, self._fitting = None, False
+    def _detach(self, *, keep_mask: bool = False, raise_late: bool = False) -> None:
+        try:
+            super()._detach(keep_mask=keep_mask, raise_late=raise_late)
+        finally:
+            self._loss, self._fitting = None, False

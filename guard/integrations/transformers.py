@@ -211,7 +211,7 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
         trainer.compute_loss_func = fed
         self._wrapped = (loss_func, fed)
 
-    def _detach(self, *, keep_mask: bool = False) -> None:
+    def _detach(self, *, keep_mask: bool = False, raise_late: bool = False) -> None:
         # The original compute_loss_func back with the guard's detach (train end, the next
         # train() after one that raised), unless something replaced the wrapper since.
         if self._wrapped is not None and self._trainer is not None:
@@ -225,7 +225,7 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
             if held.label_smoother is ours:
                 held.label_smoother = smoother
         self._smoother = None
-        super()._detach(keep_mask=keep_mask)
+        super()._detach(keep_mask=keep_mask, raise_late=raise_late)
 
 
     def _mask_reference(self, real: int) -> None:

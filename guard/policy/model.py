@@ -8,6 +8,7 @@ import re
 import socket
 import time
 import urllib.parse
+from typing import Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
@@ -41,6 +42,11 @@ class VocabSection(Section):
 class Cadence(Section):
     # At least a read every 10,000 steps: past it a check would act hours late.
     read_every: int = Field(1, ge=1, le=10_000)
+    # When fail / skip read the flags (guard/step/skip.py): `lagged`, one read late, the bad
+    # update dropped on the device (an optimizer that takes found_inf: fused=True);
+    # `before_update`, a read before each optimizer step (a host sync a step); `auto`, lagged
+    # where the optimizer allows it.
+    fail_read: Literal["auto", "lagged", "before_update"] = "auto"
 
 
 # Matched whole (fullmatch): re.match's `$` would take a trailing newline.

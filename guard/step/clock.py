@@ -11,15 +11,17 @@ A step ends at one of three boundaries, fixed at attach (`steps=`, `optimizer=`)
 
 Every `read_every` boundaries the clock reads the flags; where no check needs to act before
 the update (`Policy.host_may_lag`) and the device is a GPU, one step late, so the device never
-stalls. Each reading goes to the reader (guard/step/reader.py), which returns whether to drop
-this optimizer step; so do the read at attach (`start`) and what is left at detach (`finish`).
+stalls; so too on every device where the optimizer drops a bad update itself (guard/step/
+skip.py: `fail` then raises at the read after the violation). Each reading goes to the reader
+(guard/step/reader.py), which returns whether to drop this optimizer step; so do the read at
+attach (`start`) and what is left at detach (`finish`).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,19 +29,16 @@ from torch import nn
 from guard.device.compile import compiling
 from guard.device.hooks import Handle, hook
 from guard.device.reading import Reading
-from guard.errors import AttachError
-from guard.policy import Action, Policy
+from guard.errors import GuardViolation
+from guard.policy import Policy
 from guard.step.reader import When
+from guard.step.skip import Boundary, DeviceSkip, Steps, boundary_of, check_boundaries, drop_update
 from guard.step.zero import OuterStep
 
 __all__ = ["Boundary", "Device", "OnRead", "StepClock", "Steps", "boundary_of",
            "check_boundaries"]
 
 log = logging.getLogger("guard")
-
-Steps = Literal["auto", "manual"]
-Boundary = Literal["optimizer", "manual", "forward"]
-
 
 class Device(Protocol):
     """What the clock needs of the device side (guard/device/probe.py's Probe)."""
@@ -64,47 +63,11 @@ class Device(Protocol):
     def skipped_update(self) -> None: ...
 
 
-def boundary_of(optimizer: object, steps: Steps) -> Boundary:
-    """Where a step ends, from attach's `optimizer=` and `steps=`."""
-    return "manual" if steps == "manual" else "optimizer" if optimizer is not None else "forward"
-
-
 class OnRead(Protocol):
     """What the clock hands each reading to (guard/step/reader.py's Reader)."""
 
     def read(self, reading: Reading, step: int, *, when: When, now: int = 0,
-             in_step: bool = False, closure: bool = False) -> bool: ...
-
-
-def check_boundaries(policy: Policy, optimizer: object, steps: str) -> None:
-    """attach's `optimizer=` and `steps=` against each other and the policy, before anything is
-    built: `skip` needs the optimizer's step pre-hook; with reads every N steps, `fail` and
-    `skip` act at the reads only (a warning)."""
-    if steps not in get_args(Steps):
-        raise AttachError(f"steps={steps!r}: expected one of {', '.join(get_args(Steps))}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise AttachError(
-            f"optimizer= must be a torch.optim.Optimizer (its step pre-hook is the step "
-            f"boundary), got {type(optimizer).__name__}; pass the torch optimizer a wrapper "
-            "holds (accelerate: wrapper.optimizer), or use guard.integrations")
-    if optimizer is not None and steps == "manual":
-        raise AttachError("steps='manual' marks steps with g.step() only, but optimizer= makes "
-                          "each optimizer step one: give one of them")
-    every = policy.cadence.read_every
-    if (failing := policy.acting(Action.FAIL)) and every > 1:
-        log.warning("with cadence.read_every %d, fail (%s) is decided at the reads only: "
-                    "up to %d updates can be applied after a bad step. Use read_every: 1 "
-                    "where fail must stop the first one.", every, ", ".join(failing), every - 1)
-    if not (skipping := policy.acting(Action.SKIP)):
-        return
-    if optimizer is None:
-        raise AttachError(
-            f"checks.{skipping[0]}.action: skip drops the optimizer step, so the guard needs "
-            "the optimizer: guard.attach(model, optimizer=opt, ...); or choose fail, warn or off")
-    if every > 1:
-        log.warning("with cadence.read_every %d, skip drops only the step at which the "
-                    "flags are read; the other steps of the window are applied. Use "
-                    "read_every: 1 with skip.", every)
+             in_step: bool = False, closure: bool = False, dropped: bool = False) -> bool: ...
 
 
 class StepClock:
@@ -127,13 +90,15 @@ class StepClock:
         # (guard/step/zero.py): bound at attach, or at the first training forward after a
         # deepspeed.initialize that came after the attach.
         self.outer = OuterStep(self.tick)
+        self.skip: DeviceSkip | None = None  # the optimizer drops a bad update on the device
 
     @classmethod
     def from_policy(cls, policy: Policy, device: Device, reader: OnRead, *,
                     optimizer: torch.optim.Optimizer | None, steps: Steps,
-                    outer: object | None = None) -> StepClock:
+                    outer: object | None = None, skip: DeviceSkip | None = None) -> StepClock:
         clock = cls(device, reader, boundary=boundary_of(optimizer, steps),
                     read_every=policy.cadence.read_every, may_lag=policy.host_may_lag)
+        clock.skip = skip
         if outer is not None and steps != "manual":
             clock.boundary = "optimizer"
             clock.outer.bound = outer  # wrapped at install
@@ -154,7 +119,9 @@ class StepClock:
             return [] if optimizer is None else [hook(optimizer, self._optimizer_pre,
                                                       kind="step_pre")]
         if self.boundary == "optimizer" and optimizer is not None:
-            return [hook(optimizer, self._optimizer_pre, kind="step_pre"),
+            given = [] if self.skip is None else [hook(optimizer, self._optimizer_post,
+                                                       kind="step_post")]
+            return [hook(optimizer, self._optimizer_pre, kind="step_pre"), *given,
                     *self._skips(model, optimizer), *late]
         if self.boundary != "forward":
             return late
@@ -214,20 +181,31 @@ class StepClock:
         self.step += 1
         self._device.end_step(self.step)
         if self.step % self.read_every:
+            if self.skip is not None:
+                self.skip.hold()
             return False
-        # On the CPU a copy to the host is the read itself: nothing to gain from lagging.
-        lagged = self.may_lag and self._device.device.type == "cuda"
+        # On the CPU a copy to the host is the read itself: nothing to gain from lagging, but
+        # where the optimizer drops the update, the read lags on every device alike.
+        lagged = self.skip is not None or (self.may_lag and self._device.device.type == "cuda")
         reading = self._device.read(lagged=lagged)
         step = self._read_step if lagged else self.step
         self._read_step = self.step
         if reading is None:
             return False
-        return self._reader.read(reading, step, when="step", now=self.step,
-                                 in_step=in_step and not lagged, closure=closure)
+        try:
+            return self._reader.read(reading, step, when="step", now=self.step,
+                                     in_step=in_step and not lagged, closure=closure,
+                                     dropped=self.skip is not None)
+        except GuardViolation:
+            if self.skip is not None:
+                self.skip.clear()
+            raise
 
-    def finish(self) -> None:
+    def finish(self, *, raise_late: bool = False) -> None:
         """At detach: the readings still unread, read locally (one rank may detach alone,
-        after an exception: a collective the others do not join would hang)."""
+        after an exception: a collective the others do not join would hang). `raise_late`: a
+        fail in the lagged read still queued (its update dropped on the device, its figures
+        all-reduced already) raises, as at the read that would have come next."""
         if self._pending:  # a forward-boundary step that no next forward closed
             self._pending = False
             self.step += 1
@@ -236,7 +214,9 @@ class StepClock:
             self._device.fold()
         queued = self._device.flush()
         if queued is not None:
-            self._reader.read(queued, self._read_step, when="detach", now=self.step)
+            late = raise_late and self.skip is not None
+            self._reader.read(queued, self._read_step, when="last" if late else "detach",
+                              now=self.step, dropped=self.skip is not None)
         current = self._device.read(lagged=False, reduce=False, weights=False)
         if current is not None and self.step > self._read_step:
             self._reader.read(current, self.step, when="detach", now=self.step)
@@ -277,12 +257,13 @@ class StepClock:
         # The hook sees step's own args: (optimizer, closure?) and kwargs.
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if self.tick(in_step=True, closure=closure is not None):
-            # skip: every torch optimizer passes over a parameter whose .grad is None, so
-            # neither the weight (decoupled weight decay included) nor its state (Adam moments
-            # and step, SGD momentum) moves, on the for-loop, foreach and fused paths alike.
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+            drop_update(opt)
+        if self.skip is not None:
+            self.skip.give(opt)
+
+    def _optimizer_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.skip is not None:
+            self.skip.take_back(opt)
 
     def _forward_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         # A step is a training forward that builds a graph: a no_grad forward in train mode

@@ -23,8 +23,9 @@ log = logging.getLogger("guard")
 
 # attach: the weights before step 1 (a fail stops the attach); step: a read boundary (skip
 # may drop the update, the report goes out, a fail raises); detach: what is left unread (a
-# fail is logged: the job is ending anyway, and one rank may detach alone).
-When = Literal["attach", "step", "detach"]
+# fail is logged: the job is ending anyway, and one rank may detach alone); last: the lagged
+# read still queued at a detach without an exception (a fail raises, nothing else is done).
+When = Literal["attach", "step", "detach", "last"]
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,15 @@ class Reader:
         self._states = tuple(states)
 
     def read(self, reading: Reading, step: int, *, when: When, now: int = 0,
-             in_step: bool = False, closure: bool = False) -> bool:
+             in_step: bool = False, closure: bool = False, dropped: bool = False) -> bool:
         """Act on `reading`, the figures of step `step` (`now`: the clock's step, later than
         `step` when the read lags); True: drop this optimizer step.
 
         `in_step`: the figures are this step's, read in the optimizer's step pre-hook, before
         the update (a NaN can then be localised by a re-run, and skip can drop the update);
-        `closure`: that step was given a closure, which recomputes the gradients.
+        `closure`: that step was given a closure, which recomputes the gradients; `dropped`: the
+        optimizer dropped that step's update on the device already where fail or skip fired
+        (guard/step/skip.py), so a skip is only counted here.
         """
         record = self._record
         record.update(reading.local, step, *(s.stats(reading) for s in self._states))
@@ -72,7 +75,7 @@ class Reader:
         # read at detach (one rank may detach alone): every rank asks the same states.
         fired = [s for s in self._states if reading.fired_on(s.check_name) is not None]
         reading = replace(reading, details={
-            s.check_name: s.detail(reading, reduce=when != "detach") for s in fired})
+            s.check_name: s.detail(reading, reduce=when in ("attach", "step")) for s in fired})
         verdict = judge(reading, self._policy, step=step, real=self._sizes.real_rows,
                         rows=self._sizes.rows, head=self._names.head,
                         real_from=self._sizes.found.source, mass=self._sizes.mass_over)
@@ -86,7 +89,7 @@ class Reader:
         # that a rank detaching alone would wait on forever. In the table's order, never a
         # set's: str hashing differs per process, and a set could order them apart on ranks.
         repairing = {v.check for v in verdict.violations if v.action is Action.REPAIR}
-        if when != "detach":
+        if when in ("attach", "step"):
             for state in self._states:
                 if state.check_name in repairing:
                     state.repair()
@@ -98,7 +101,7 @@ class Reader:
                 log.error("optimizer.step(closure) recomputes the gradients, so skip "
                           "cannot drop step %d; it is applied", step)
                 skip = False
-            if skip:
+            if skip or (dropped and verdict.skip):
                 record.skipped()
             record.emit()
         if (error := verdict.error()) is not None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from guard.device.hooks import Handle, wrap_step
 from guard.device.zero_grads import is_zero, owner
+from guard.step.skip import drop_update
 
 __all__ = ["OuterStep", "deepspeed_of", "is_deepspeed"]
 
@@ -85,9 +86,9 @@ class OuterStep:
 
     def within(self, opt: torch.optim.Optimizer) -> bool:
         """The torch optimizer's step pre-hook: True when this call is part of the update
-        under way (not a step of its own); dropped with it under `skip`: every torch optimizer
-        passes over a parameter whose .grad is None, so neither this group's fp32 partition
-        nor its moments move (DeepSpeed then copies the unchanged partition back)."""
+        under way (not a step of its own); dropped with it under `skip` (skip.drop_update), so
+        neither this group's fp32 partition nor its moments move (DeepSpeed then copies the
+        unchanged partition back)."""
         if not self._inside:
             if self.bound is not None or self.model is None or \
                     not _steps_copies(opt, self.model):
@@ -98,9 +99,7 @@ class OuterStep:
             self._drop = self._tick(in_step=True)
             self._inside = True
         if self._drop:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+            drop_update(opt)
         return True
 
     def late(self, model: nn.Module, *, hooked: bool) -> bool:

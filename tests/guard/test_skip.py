@@ -13,6 +13,7 @@ from torch import nn
 import guard
 from guard import AttachError
 from guard.sinks import MemorySink
+from guard.step.skip import takes_found_inf
 from tests.conftest import batch, policy, tiny_gpt
 from tests.guard.step.test_localise import clean_server_env
 
@@ -86,12 +87,15 @@ def test_nonfinite_skip_leaves_weights_and_optimizer_state_unchanged(make_opt: O
         opt.zero_grad()
         assert_same(m.state_dict(), weights)
         assert_same(opt.state_dict(), state)
-        assert g.stats["skipped_steps"] == 1
-        assert g.stats["violations"] == {"nonfinite": {"skip": 1}}
+        # A fused optimizer dropped it on the device: the host learns at the next read.
+        assert g.stats["skipped_steps"] == (0 if takes_found_inf(opt) else 1)
         healthy_step(m, opt, 3)  # the next clean step is applied again
+        assert g.stats["violations"] == {"nonfinite": {"skip": 1}}
         assert not torch.equal(m.state_dict()["lm_head.weight"], weights["lm_head.weight"])
         assert all(torch.isfinite(p).all() for p in m.parameters())
-        assert g.stats["skipped_steps"] == 1 and g.stats["step"] == 4
+        # The stats are those of the last read: step 3 where it lags one read behind.
+        assert g.stats["skipped_steps"] == 1
+        assert g.stats["step"] == (3 if takes_found_inf(opt) else 4)
 
 
 def test_loss_spike_skip_drops_the_spiking_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,8 @@ alone feeds a ghost label at step 3; every rank writes OUT_DIR/rank<N>.json with
 step it raised at, the violation's data, its collective counts and its /metrics endpoint.
 MODE `fsdp2-checks` runs the other checks under FSDP2 instead (FSDP2_CHECKS), one entry each;
 `repair-order` two repairs at one read under FSDP2, the ranks under different hash seeds;
-`nan-grad-ddp` / `nan-grad-fsdp2` a NaN born in rank 1's backward, under fail and skip.
+`nan-grad-ddp` / `nan-grad-fsdp2` a NaN born in rank 1's backward, under fail and skip
+(`-fused` after either: with a fused AdamW, which drops the update on the device).
 """
 
 from __future__ import annotations
@@ -298,10 +299,12 @@ def both_repairs_at_one_read() -> dict[str, Any]:
 NAN_RANK, NAN_STEP = 1, 2
 
 
-def nan_gradient(wrap: str) -> dict[str, Any]:
+def nan_gradient(wrap: str, fused: bool = False) -> dict[str, Any]:
     """nanoGPT under DDP or FSDP2; at step 2 rank 1 alone makes a NaN in the backward of its
     first block (its forward finite). Under fail both ranks stop before that update, their
-    weights as they were; under skip both drop it and train on alike."""
+    weights as they were; under skip both drop it and train on alike. `fused`: a fused AdamW
+    drops step 2's update on the device on both ranks (`dropped`: the weights after step 2 are
+    step 1's) and fail raises at step 3's read."""
     from torch.nn.parallel import DistributedDataParallel
 
     out: dict[str, Any] = {}
@@ -316,8 +319,9 @@ def nan_gradient(wrap: str) -> dict[str, Any]:
             return NaNBackward.apply(y) if hit else None
 
         inner.transformer.h[0].register_forward_hook(fault)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)
         res: dict[str, Any] = {"raised_at": None}
+        after: dict[int, list[torch.Tensor]] = {}
         with guard.attach(inner, policy=policy(nonfinite={"action": action}), vocab_size=100,
                           optimizer=opt) as g:
             try:
@@ -328,10 +332,13 @@ def nan_gradient(wrap: str) -> dict[str, Any]:
                     before = [p.detach().clone() for p in model.parameters()]
                     opt.step()
                     opt.zero_grad()
+                    after[step] = [p.detach().clone() for p in model.parameters()]
             except guard.GuardViolation as e:
                 res.update(raised_at=step, violation=violation(e), unchanged=all(
                     torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(),
                                                                strict=True)))
+            after.setdefault(2, [p.detach().clone() for p in model.parameters()])
+        res["dropped"] = all(torch.equal(a, b) for a, b in zip(after[1], after[2], strict=True))
         res["stats"] = {k: g.stats[k] for k in ("skipped_steps", "violations", "nonfinite")}
         res["finite"] = all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())
         out[action] = res
@@ -366,7 +373,8 @@ def main(out: Path, serve_port: int, mode: str = "tiny") -> None:
     if mode == "repair-order":
         finish(out, rank, both_repairs_at_one_read())
     if mode.startswith("nan-grad-"):
-        finish(out, rank, nan_gradient(mode.removeprefix("nan-grad-")))
+        wrap, _, fused = mode.removeprefix("nan-grad-").partition("-")
+        finish(out, rank, nan_gradient(wrap, fused == "fused"))
     counts = {"all_reduce": 0, "read": 0, "other_collectives": 0}
     count_calls(dist, "all_reduce", counts, "all_reduce")
     for name in ("broadcast", "all_gather", "all_gather_into_tensor", "reduce", "barrier",

@@ -267,3 +267,18 @@ def test_a_nan_born_in_one_ranks_backward_stops_or_skips_every_rank(tmp_path: Pa
         assert skip["stats"]["violations"] == {"nonfinite": {"skip": 1}}
     if wrap == "ddp":  # one set of gradients: the same figures on both ranks
         assert results[0]["skip"]["stats"] == results[1]["skip"]["stats"]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_a_fused_optimizer_drops_the_same_update_on_every_rank(tmp_path: Path,
+                                                               wrap: str) -> None:
+    """With a fused AdamW the NaN step's update is dropped on the device on both ranks (the
+    decision from the all-reduced flags, no host read before it); fail raises at the next read,
+    step 3's, naming step 2, with step 3's update not applied either."""
+    results, _ = run_ranks(tmp_path, f"nan-grad-{wrap}-fused")
+    for res in results:
+        fail, skip = res["fail"], res["skip"]
+        assert fail["raised_at"] == 3 and fail["unchanged"] and fail["dropped"]
+        assert (fail["violation"]["check"], fail["violation"]["step"]) == ("nonfinite", 2)
+        assert skip["raised_at"] is None and skip["dropped"] and skip["finite"]
+        assert skip["stats"]["skipped_steps"] == 1

@@ -52,7 +52,7 @@ class Reads:
         self.skip = skip
 
     def read(self, reading: Reading, step: int, *, when: When, now: int = 0,
-             in_step: bool = False, closure: bool = False) -> bool:
+             in_step: bool = False, closure: bool = False, dropped: bool = False) -> bool:
         self.calls.append((step, when, in_step, closure, reading.local[loss.SPEC].value))
         return self.skip
 
