@@ -27,16 +27,23 @@ def guard_serve(args: list[str], env: dict[str, str], log: Path,
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_healthy(url, server, log, timeout_s)
         yield url
     finally:
         server.terminate()
         server.wait(10)
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path,
+                 timeout_s: float) -> None:
+    """Until `url`'s /healthz answers 200; the server's log in the failure when `process`
+    exits first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)

@@ -8,13 +8,11 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 from guard_server.testing import free_port
+from tests.served import wait_healthy
 
 
 def split_ingest_counters(text: str) -> tuple[str, dict[str, float]]:
@@ -70,15 +68,7 @@ def server_subprocess(tmp_path: Path, env: dict[str, str],
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_healthy(url, process, log, 20)
         yield url, process, log
     finally:
         process.terminate()
