@@ -8,6 +8,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 if _TYPE_CHECKING:
+    from guard.device.frozen import FrozenMask, mask_frozen
     from guard.device.loss import LossShares
     from guard.device.ops import mask_padding, padding_mass
     from guard.errors import AttachError, GuardError, GuardViolation, PolicyError, StateError
@@ -23,6 +24,7 @@ if _TYPE_CHECKING:
 __all__ = [
     "AttachError",
     "Audit",
+    "FrozenMask",
     "Guard",
     "GuardError",
     "GuardViolation",
@@ -36,6 +38,7 @@ __all__ = [
     "audit",
     "find_heads",
     "load_policy",
+    "mask_frozen",
     "mask_padding",
     "pad_vocab_size",
     "padding_mass",
@@ -45,6 +48,7 @@ __all__ = [
 _WHERE = {
     "AttachError": "guard.errors",
     "Audit": "guard.vocab.sizes",
+    "FrozenMask": "guard.device.frozen",
     "Guard": "guard.guard",
     "GuardError": "guard.errors",
     "GuardViolation": "guard.errors",
@@ -58,6 +62,7 @@ _WHERE = {
     "audit": "guard.vocab.resolve",
     "find_heads": "guard.vocab.discover",
     "load_policy": "guard.policy_file",
+    "mask_frozen": "guard.device.frozen",
     "mask_padding": "guard.device.ops",
     "pad_vocab_size": "guard.vocab.sizes",
     "padding_mass": "guard.device.ops",

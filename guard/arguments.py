@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -38,6 +39,7 @@ class Arguments:
     loss_shares: LossShares
     rank: int
     local_rank: int
+    scaled: bool  # a GradScaler that is enabled marks the loop's steps (g.step())
 
 
 def _environment_rank(name: str) -> int:
@@ -63,11 +65,14 @@ def _rank_of_process() -> tuple[int, int]:
 def check_arguments(model: object,
                     policy: Policy | dict[str, Any] | str | os.PathLike[str] | None,
                     optimizer: object, steps: Steps,
-                    loss_shares: LossShares | None, loss_scale: float) -> Arguments:
+                    loss_shares: LossShares | None, loss_scale: float,
+                    scaler: object = None) -> Arguments:
     """The arguments resolved, or an AttachError (PolicyError) naming the one that does not
     fit. `loss_shares=None`: "mean" where the optimizer's wrapper accumulates gradients over
     micro-batches (accelerate's `gradient_accumulation_steps`), "last" otherwise."""
     pol = load_policy(policy)
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise AttachError(f"scaler= must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     inside = unwrap_call(model)
     # Attached to DeepSpeed's engine without optimizer=: the engine's optimizer.
     if optimizer is None and steps != "manual":
@@ -81,4 +86,5 @@ def check_arguments(model: object,
                  "their mean (loss_shares='mean')", unwrapped.wrapper, unwrapped.accumulation)
     rank, local_rank = _rank_of_process()
     return Arguments(pol, inside.model, inside.caller, inside.wrappers, unwrapped.optimizer,
-                     unwrapped.outer, shares, rank, local_rank)
+                     unwrapped.outer, shares, rank, local_rank,
+                     scaled=isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled())

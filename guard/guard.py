@@ -216,17 +216,14 @@ class Guard(Resumable):
         try:
             for sink in open_sinks(self._policy.export, local_rank):
                 self.add_sink(sink)
-            self._install()
+            self._parts.install()
+            _ATTACHED[self._model] = weakref.ref(self)
         except BaseException as e:
             self._remove()
             if isinstance(e, GuardViolation):
                 self._record.emit(final=True)
             self._record.close()
             raise
-
-    def _install(self) -> None:
-        self._parts.install()
-        _ATTACHED[self._model] = weakref.ref(self)
 
     def _remove(self) -> None:
         """Every hook and the registry entry; idempotent (detach and a failed attach)."""
@@ -274,9 +271,7 @@ def attach(
     agree at attach and every `checks.vocab.tie_every` reads.
     """
     inner, stage = stage_of(model)
-    a = check_arguments(inner, policy, optimizer, steps, loss_shares, loss_scale)
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise AttachError(f"scaler= must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    a = check_arguments(inner, policy, optimizer, steps, loss_shares, loss_scale, scaler)
     if (ref := _ATTACHED.get(a.model)) is not None and (held := ref()) is not None:
         raise AttachError(
             f"a guard is already attached to this model ({held!r}); call detach() on it first")
@@ -290,7 +285,7 @@ def attach(
         else a.loss_shares
     g = Guard(Parts.build(a.model, heads, a.policy, sizes, rank=a.rank, optimizer=a.optimizer,
                           steps=steps, loss_shares=shares, loss_scale=float(loss_scale),
-                          tokenizer=tokenizer, scaled=scaler is not None and scaler.is_enabled(),
+                          tokenizer=tokenizer, scaled=a.scaled,
                           caller=a.caller, outer=a.outer, stage=stage))
     g._open(a.local_rank)
     if model is not inner:  # torch's PipelineStage: its shape inference is no training step

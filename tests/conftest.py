@@ -28,6 +28,13 @@ def policy(**checks: dict[str, Any]) -> dict[str, Any]:
     return p
 
 
+def findings(caplog: pytest.LogCaptureFixture, check: str) -> list[str]:
+    """What `check` said of a step or the attach ("<check> on rank R at ..."), not its summary
+    at detach ("<check> at detach: ..."): the lines share the logger's name, no other prefix."""
+    return [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith(f"{check} on rank ")]
+
+
 def tiny_gpt(rows: int = 128, *, seed: int = 0, tie: bool = True, garbage: float | None = None,
              real: int = 100) -> GPT:
     """A 2-layer GPT with `rows` vocab rows; `garbage` fills rows [real, rows) of the head

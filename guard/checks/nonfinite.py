@@ -87,7 +87,9 @@ def _why(f: Nonfinite, c: Context) -> str:
     ids = c.glob[token_range.SPEC]
     if ids.counts["label"] > 0 and c.real <= ids.max_id < c.rows:
         rest = [_TENSOR[k] for k in ("hidden", "logits") if f.counts[k]]
-        return (f"the loss is +inf because {ids.counts['label']} labels are ghost ids in "
+        n = ids.counts["label"]
+        ghosts = "label is a ghost id" if n == 1 else "labels are ghost ids"
+        return (f"the loss is +inf because {n} {ghosts} in "
                 f"[{c.real}, {c.rows}) (highest {ids.max_id}), whose logits the mask sets to "
                 "-inf (see token_range): fix the labels, or give the real vocab that has these "
                 "ids" + (f"; for the {' and the '.join(rest)}, {_weights(c)}" if rest else ""))

@@ -38,7 +38,7 @@ from transformers.trainer_callback import ExportableState
 import guard
 from guard.errors import AttachError
 from guard.integrations.common import GuardedTraining
-from guard.integrations.reference import ReferenceMask, reference_of
+from guard.integrations.reference import reference_of
 from guard.integrations.smoothing import RealColumnsSmoother, refused
 
 __all__ = ["GuardCallback", "PaddingMaskLogitsProcessor", "guard_trainer"]
@@ -91,7 +91,7 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
     _trainer: Trainer | None = None  # given by guard_trainer
     _wrapped: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # see _feed_loss
     _smoother: tuple[Any, RealColumnsSmoother] | None = None  # the Trainer's, and ours
-    _reference: ReferenceMask | None = None  # on TRL's ref_model, until release()
+    _reference: guard.FrozenMask | None = None  # on TRL's ref_model, until release()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
                        processing_class: Any = None, optimizer: Any = None,
@@ -234,7 +234,7 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
         ref = reference_of(self._trainer)
         if ref is not None and self._reference is None and self.policy.masks \
                 and self.vocab_shard is None:
-            self._reference = ReferenceMask(ref, real)
+            self._reference = guard.mask_frozen(ref, real)
 
     def release(self) -> None:
         super().release()

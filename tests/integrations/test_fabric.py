@@ -104,7 +104,7 @@ def test_a_ghost_label_stops_as_token_range_before_the_update(when: str, keyword
     # and no module is blamed for it.
     assert e.value.check == "token_range" and "also at this step: nonfinite" in str(e.value)
     (nf,) = [ev for rep in sink.reports for ev in rep.events if ev.check == "nonfinite"]
-    assert "The loss is +inf because 1 labels are ghost ids in [100, 128)" in nf.message
+    assert "The loss is +inf because 1 label is a ghost id in [100, 128)" in nf.message
     assert "learning rate" not in nf.message and "Localisation" not in nf.message
 
 

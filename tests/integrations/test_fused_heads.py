@@ -13,7 +13,7 @@ from torch import nn
 
 import guard
 from guard import GuardViolation
-from tests.conftest import batch, policy
+from tests.conftest import batch, findings, policy
 
 REAL, ROWS, D = 100, 128, 32
 
@@ -133,7 +133,7 @@ def test_without_a_final_norm_coverage_says_the_logits_were_not_seen(
         steps(m, g)
     assert g.stats["padding_mass"] is None
     assert g.stats["violations"]["coverage"] == {"warn": 3}  # every blind step counted
-    blind = [r.message for r in caplog.records if r.message.startswith("coverage")]
+    blind = findings(caplog, "coverage")
     assert len(blind) == 1  # logged once
     assert "coverage on rank 0 at step 1: blind in 1 training step(s): padding_mass and " \
            "nonfinite saw no logits: lm_head was not called" in blind[0]

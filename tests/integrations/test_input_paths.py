@@ -12,7 +12,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 import guard
 from guard import GuardViolation
-from tests.conftest import policy
+from tests.conftest import findings, policy
 from tests.integrations.test_transformers import examples, gpt2, word_tokenizer
 
 REAL, ROWS = 100, 128
@@ -41,7 +41,7 @@ def test_ghost_ids_through_the_encoders_and_decoders_own_embeddings_are_caught(
     inputs[where][1, 3] = 110  # a ghost id: it has a row, the tokenizer cannot produce it
     with guard.attach(model, policy=policy(), vocab_size=REAL, optimizer=opt):
         model(**inputs).loss.backward()
-        with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 1: 1 input ids "
+        with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 1: 1 input id "
                            r"outside \[0, 100\).*the highest: input ids 110 at \[1, 3\]"):
             opt.step()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -75,7 +75,7 @@ def test_a_training_step_whose_embedding_saw_no_ids_is_blind(
             model(inputs_embeds=embeds, labels=ids).loss.backward()
             g.step()
     assert g.stats["violations"] == {"coverage": {"warn": 3}}  # every blind step counted
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("coverage")]
+    said = findings(caplog, "coverage")
     assert len(said) == 1  # logged once
     assert "token_range saw no input ids: no module that embeds with the embedding's weight " \
            "was called with ids in the training forward (inputs_embeds passed instead" in said[0]

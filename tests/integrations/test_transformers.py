@@ -25,7 +25,7 @@ from guard.integrations.transformers import (
     PaddingMaskLogitsProcessor,
     guard_trainer,
 )
-from tests.conftest import hook_count, policy
+from tests.conftest import findings, hook_count, policy
 
 SENTENCES = [
     "the guard reads the flags once per step",
@@ -308,7 +308,7 @@ def test_compute_loss_func_loss_is_the_guards_and_the_original_is_back_after_tra
     logged, guarded = zip(*seen, strict=True)
     assert len(seen) == 3 and guarded[0] is None
     assert guarded[1:] == pytest.approx(logged[:-1], rel=1e-3)
-    blind = [r.message for r in caplog.records if r.message.startswith("coverage")]
+    blind = findings(caplog, "coverage")
     assert len(blind) == 1 and "at step 1" in blind[0]  # said once, at the first step
     assert "token_range saw no labels" in blind[0] and "saw no loss" not in blind[0]
     assert cb.guard is not None and cb.guard.stats["violations"]["coverage"] == {"warn": 3}
@@ -491,8 +491,8 @@ def test_an_infinite_loss_from_ghost_labels_names_the_labels(
         model(input_ids=ids, labels=labels).loss.backward()
         opt.step()
     assert g.stats["nonfinite"]["loss"] == 1 and g.stats["out_of_range"]["label"] == 1
-    (said,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nonfinite")]
-    assert f"The loss is +inf because 1 labels are ghost ids in [{real}, 64) (highest " \
+    (said,) = findings(caplog, "nonfinite")
+    assert f"The loss is +inf because 1 label is a ghost id in [{real}, 64) (highest " \
            f"{real + 2}), whose logits the mask sets to -inf (see token_range)" in said
     assert "learning rate" not in said
 
@@ -517,8 +517,7 @@ def test_padding_rows_say_the_weights_diverged_and_write_no_nan(
         g.step()  # the read, and the repair it would do
         assert torch.equal(w[real:], padding)  # left as they were: no NaN written
     assert g.stats["violations"]["padding_rows"] == {"repair": 1}
-    (said,) = [r.getMessage() for r in caplog.records
-               if r.getMessage().startswith("padding_rows")]
+    (said,) = findings(caplog, "padding_rows")
     assert "the weights diverged, which no resize explains; not repairing them" in said
     assert "uninitialised resize" not in said
 
@@ -540,7 +539,7 @@ def test_an_id_without_a_row_ends_in_the_guards_message_not_an_index_error(where
     with guard.attach(model, policy=policy(), tokenizer=tok, optimizer=opt):
         model(input_ids=ids, labels=labels).loss.backward()  # no IndexError
         with pytest.raises(GuardViolation, match=r"token_range on rank 0 at step 1: 1 "
-                           rf"{where} ids outside \[0, {len(tok)}\).*ids >= 64 \(highest 5000\)"
+                           rf"{where} id outside \[0, {len(tok)}\).*ids >= 64 \(highest 5000\)"
                            r" have no row at all.*the highest: "
                            rf"{'labels' if where == 'label' else 'input ids'} 5000 at \[1, 5\]"):
             opt.step()

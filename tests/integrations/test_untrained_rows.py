@@ -21,7 +21,7 @@ from guard import GuardViolation
 from guard.cli import main
 from guard.device.untrained_tables import UntrainedTables
 from guard.integrations.transformers import guard_trainer
-from tests.conftest import no_host_reads
+from tests.conftest import findings, no_host_reads
 from tests.integrations.chat_llama import (
     CHAT,
     ROWS,
@@ -159,7 +159,7 @@ def test_sft_under_the_default_is_told_at_train_begin_repaired_at_step_1_and_tra
     cb = guard_trainer(t, policy={**QUIET, "cadence": {"fail_read": "before_update"}})
     with caplog.at_level(logging.WARNING, logger="guard"):
         t.train()
-    said = [r.message for r in caplog.records if r.message.startswith("untrained_rows")]
+    said = findings(caplog, "untrained_rows")
     assert said[0].startswith("untrained_rows on rank 0 at attach")  # at train begin
     assert said[1].startswith("untrained_rows on rank 0 at step 1") and len(said) == 2
     assert cb.guard is not None and cb.guard.stats["untrained_rows"] == {"embedding": 0,
@@ -307,7 +307,7 @@ def test_lightning_tells_it_at_fit_start_and_repairs_at_step_1(
                          enable_model_summary=False, callbacks=[cb])
     with caplog.at_level(logging.WARNING, logger="guard"):
         trainer.fit(lm, DataLoader(chats(tok), batch_size=4))  # type: ignore[arg-type]
-    said = [r.message for r in caplog.records if r.message.startswith("untrained_rows")]
+    said = findings(caplog, "untrained_rows")
     assert said[0].startswith("untrained_rows on rank 0 at attach") and "'<|eot_id|>'" in said[0]
     assert said[1].startswith("untrained_rows on rank 0 at step 1") and len(said) == 2
     assert cb.guard is not None and cb.guard.stats["violations"]["untrained_rows"] == {
