@@ -93,7 +93,7 @@ def test_a_ghost_input_id_on_the_first_stage_stops_every_stage(pp2: list[dict[st
         v = res["violation"]
         assert res["raised_at"] == 2 and res["unchanged"]  # before any stage's update
         assert (v["check"], v["step"], v["rank"]) == ("token_range", 2, 0)
-        assert v["message"].startswith("token_range on rank 0 at step 2: 1 input ids")
+        assert v["message"].startswith("token_range on rank 0 at step 2: 1 input id outside")
         assert f"input ids {REAL + 3} at [1, 2]" in v["message"]
     assert first["out_of_range"] == {"input": 1, "label": 0}
 
