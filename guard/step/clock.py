@@ -201,6 +201,22 @@ class StepClock:
                 self.skip.clear()
             raise
 
+    def settle(self) -> None:
+        """Before a checkpoint's state is taken: the lagged read still queued (the last step's
+        window, its collective done when it was queued) read now, so the saved totals hold
+        every step taken; the next read starts a new lag."""
+        queued = self._device.flush()
+        if queued is None:
+            return
+        try:
+            self._reader.read(queued, self._read_step, when="step", now=self.step,
+                              dropped=self.skip is not None)
+        except GuardViolation:
+            if self.skip is not None:
+                self.skip.clear()
+            raise
+        self._read_step = self.step
+
     def finish(self, *, raise_late: bool = False) -> None:
         """At detach: the readings still unread, read locally (one rank may detach alone,
         after an exception: a collective the others do not join would hang). `raise_late`: a

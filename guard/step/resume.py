@@ -52,7 +52,9 @@ class Resumable:
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on as if never stopped: the step, the loss-spike
-        window, the running totals; plain data, saved with the checkpoint."""
+        window, the running totals; plain data, saved with the checkpoint. A lagged read still
+        queued is read first (a fail in it raises here, as at the next read)."""
+        self._clock.settle()
         state: dict[str, Any] = {
             "version": VERSION, "step": self._clock.step, "rank": self._record.rank,
             "vocab": {"real": self._sizes.real, "rows": self._sizes.rows},

@@ -126,7 +126,8 @@ def device_skip(policy: Policy, optimizer: torch.optim.Optimizer | None, flags: 
         raise AttachError(f"cadence.fail_read: lagged drops a bad update on the device, but "
                           f"{where}: use an optimizer with fused=True (torch.optim.AdamW, Adam, "
                           "SGD), or fail_read: before_update")
-    if hooked:
+    # On the CPU the copy to the host is the read itself: no sync to avoid, nothing to say.
+    if hooked and flags.t.device.type != "cpu":
         log.info("%s (%s) read before each update: this optimizer needs a sync per step "
                  "for fail/skip: use fused=True (torch.optim.AdamW, Adam, SGD) to drop a bad "
                  "update on the device instead", ", ".join(acting), name)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 import guard
 from guard import AttachError, GuardViolation
 from guard.device.flags import Flags
+from guard.policy_file import load_policy
+from guard.step.skip import device_skip
 from tests.conftest import batch, policy, tiny_gpt
 from tests.guard.test_skip import assert_same, snapshot
 
@@ -177,13 +180,19 @@ def test_lagged_needs_an_optimizer_that_takes_found_inf() -> None:
                      vocab_size=100, optimizer=opt)
 
 
-def test_an_optimizer_without_found_inf_is_said_at_attach(
+def test_an_optimizer_without_found_inf_is_said_at_attach_where_a_read_is_a_sync(
         caplog: pytest.LogCaptureFixture) -> None:
     m = tiny_gpt()
     opt = torch.optim.AdamW(m.parameters(), foreach=True)
     with caplog.at_level(logging.INFO, logger="guard"), \
             guard.attach(m, policy=policy(), vocab_size=100, optimizer=opt):
         pass
+    # On the CPU the copy to the host is the read itself: no sync to avoid, nothing said.
+    assert not [r for r in caplog.records if "sync per step" in r.message]
+    # Flags on an accelerator (a meta tensor stands in for one: only its device is asked).
+    on_gpu = cast(Flags, SimpleNamespace(t=torch.empty(0, device="meta")))
+    with caplog.at_level(logging.INFO, logger="guard"):
+        assert device_skip(load_policy(policy()), opt, on_gpu, hooked=True) is None
     said = [r.message for r in caplog.records if "sync per step" in r.message]
     assert said == ["nonfinite, token_range (AdamW) read before each update: this "
                     "optimizer needs a sync per step for fail/skip: use fused=True "

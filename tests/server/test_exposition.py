@@ -85,7 +85,9 @@ def test_a_scrape_not_taken_is_cut_at_the_write_timeout_and_frees_its_turn(
 ) -> None:
     # One turn; a client asks for 12 MB and reads nothing. Another scrape waits its turn in
     # vain (503); once the write timeout cuts the first, the next scrape is answered.
-    settings = Settings(port=0, max_inflight_scrapes=1, scrape_wait_s=0.3, write_timeout_s=1.5)
+    # The write timeout runs from the request to the answer taken whole, rendering included:
+    # 4 s leaves a 12 MB answer time enough on a loaded machine.
+    settings = Settings(port=0, max_inflight_scrapes=1, scrape_wait_s=0.3, write_timeout_s=4.0)
     with EmbeddedServer(port=0, settings=settings) as server:
         filled(server.store, make_batch, costly=1000)
         stalled = socket.create_connection((server.host, server.port))
@@ -95,7 +97,7 @@ def test_a_scrape_not_taken_is_cut_at_the_write_timeout_and_frees_its_turn(
         busy = httpx.get(f"{server.url}/metrics", timeout=10)
         assert busy.status_code == 503 and busy.headers["retry-after"] == "2"
         assert "GUARD_SERVER_MAX_INFLIGHT_SCRAPES" in busy.text
-        time.sleep(1.5)
+        time.sleep(4.0)
         assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 200
         # Reset, not closed: what the server's kernel still holds for it would trickle out
         # through a 4 KiB window for minutes.
@@ -112,7 +114,9 @@ def test_a_client_that_stops_reading_loses_its_turn_long_before_the_write_timeou
     # 60 s write timeout: each used to hold its turn 60 s, and a real scrape got 503 for as
     # long as they came back. Now a stalled answer is cut once no byte has moved for
     # GUARD_SERVER_WRITE_STALL_S, and the scrape that waited gets its turn.
-    settings = Settings(port=0, scrape_wait_s=8.0, write_stall_s=1.0)
+    # 3 s without a byte taken: the scrape that waits gets through the others' cuts, and a
+    # loaded machine's pause while the loop renders other answers is no stall.
+    settings = Settings(port=0, scrape_wait_s=12.0, write_stall_s=3.0)
     assert settings.write_timeout_s == 60 and settings.max_inflight_scrapes == 4
     with EmbeddedServer(port=0, settings=settings) as server:
         filled(server.store, make_batch, costly=1000)

@@ -105,13 +105,19 @@ def test_a_read_resets_the_accumulator() -> None:
     assert second.local[token_range.SPEC].counts["input"] == 0
 
 
-def test_a_lagged_read_on_the_cpu_is_the_current_one() -> None:
-    # Only a CUDA copy can be read late; on the CPU the copy is the read.
+def test_a_lagged_read_returns_the_previous_reads_values_and_flush_the_last() -> None:
+    # On every device alike (a DeviceSkip lags on the CPU too): the first lagged read has
+    # nothing before it, each later one the window before it, detach's flush the last window.
     f = flags()
     f.put(loss.VALUE, T(1.0))
     f.put(loss.SEEN, 1.0)
+    assert f.read(lagged=True) is None
+    f.put(loss.VALUE, T(2.0))
+    f.put(loss.SEEN, 1.0)
     r = f.read(lagged=True)
     assert r is not None and r.local[loss.SPEC].value == 1.0
+    last = f.flush()
+    assert last is not None and last.local[loss.SPEC].value == 2.0
     assert f.flush() is None
 
 

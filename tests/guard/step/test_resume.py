@@ -182,3 +182,32 @@ def test_another_ranks_state_gives_the_step_and_window_not_the_totals() -> None:
     assert g.stats["step"] == 8 and g.stats["violations"] == {"loss_spike": {"warn": 1}}
     assert g.stats["out_of_range"]["input"] == 0
     g.detach()
+
+
+def test_under_a_lagged_read_the_state_holds_every_step_taken() -> None:
+    """A fused AdamW reads the flags one read late (guard/step/skip.py): the state taken after
+    step 6 holds step 6's figures too, and the resumed run counts on from there."""
+    pol = policy(token_range={"action": "warn"})
+
+    def ghost_steps(m: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            x, y = batch()
+            x[0, 0] = 110  # a ghost input id a step
+            _, loss = m(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    m = tiny_gpt()
+    opt = torch.optim.AdamW(m.parameters(), fused=True)
+    with guard.attach(m, policy=pol, vocab_size=100, optimizer=opt) as g:
+        ghost_steps(m, opt, 6)
+        state = g.state_dict()
+    assert state["totals"]["out_of_range"]["input"] == 6
+    assert state["totals"]["violations"] == {"token_range": {"warn": 6}}
+    m = tiny_gpt()
+    opt = torch.optim.AdamW(m.parameters(), fused=True)
+    with guard.attach(m, policy=pol, vocab_size=100, optimizer=opt) as g:
+        g.load_state_dict(state)
+        ghost_steps(m, opt, 2)
+    assert g.stats["step"] == 8 and g.stats["out_of_range"]["input"] == 8
