@@ -287,7 +287,7 @@ def attach(
                           caller=a.caller, outer=a.outer, stage=stage))
     g._open(a.local_rank)
     if model is not inner:  # torch's PipelineStage: its shape inference is no training step
-        g._parts.handles.append(quiet_inference(model, a.model, g._parts.probe))
+        g._parts.handles += quiet_inference(model, a.model, g._parts.probe)
     inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
     tp = sizes.tp
     shard = "" if tp is None else (f"; this rank's head columns are the ids [{tp.start}, "
