@@ -21,7 +21,7 @@ from guard.device.pipeline import quiet_inference
 from guard.device.probe import mask_hook
 from guard.errors import AttachError, GuardViolation
 from guard.parts import Parts
-from guard.policy import Action, Policy
+from guard.policy import Policy
 from guard.sinks import Sink, open_sinks
 from guard.sinks.embedded import EmbeddedSink
 from guard.stateful import Finding
@@ -92,7 +92,7 @@ class Guard(Resumable):
     def findings(self) -> tuple[Finding, ...]:
         """The rows the stateful checks found at attach (untrained_rows: the rows of the real
         vocab never trained, per weight, with their ids and why), in the checks' order."""
-        return tuple(f for s in self._parts.states for f in s.findings())
+        return self._parts.states.findings()
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -157,9 +157,7 @@ class Guard(Resumable):
         callbacks call it at the end of training): the padding rows set to the mean of the real
         rows, the untrained rows of the ids used to the mean of the trained ones. Collectives
         when distributed, so every rank calls it; nothing under another action."""
-        for state in self._parts.states:
-            if self._policy.action(state.check_name) is Action.REPAIR:
-                state.repair()
+        self._parts.states.repair_under(self._policy)
 
     def detach(self, *, keep_mask: bool = False, raise_late: bool = False) -> None:
         """Remove every hook, report the last values, close the sinks. Idempotent.
@@ -289,7 +287,7 @@ def attach(
                           caller=a.caller, outer=a.outer, stage=stage))
     g._open(a.local_rank)
     if model is not inner:  # torch's PipelineStage: its shape inference is no training step
-        g._parts.handles.append(quiet_inference(model, a.model, g._parts.probe))
+        g._parts.handles += quiet_inference(model, a.model, g._parts.probe)
     inside = f" (inside {' > '.join(a.wrappers)})" if a.wrappers else ""
     tp = sizes.tp
     shard = "" if tp is None else (f"; this rank's head columns are the ids [{tp.start}, "

@@ -17,7 +17,7 @@ from guard.device.hooks import Handle
 from guard.device.loss import LossShares
 from guard.device.probe import Probe
 from guard.policy import Policy
-from guard.stateful import Attaching, CheckState, attach_states
+from guard.stateful import Attaching, States, attach_states
 from guard.stateful.lasting import lasting
 from guard.step.clock import StepClock, Steps
 from guard.step.episodes import Episodes
@@ -46,7 +46,7 @@ class Parts:
     sizes: Sizes
     optimizer: torch.optim.Optimizer | None
     probe: Probe
-    states: tuple[CheckState, ...]  # one per stateful check, in the table's order
+    states: States  # the stateful checks', one state each
     record: Record
     episodes: Episodes | None
     clock: StepClock
@@ -91,25 +91,20 @@ class Parts:
         """alignment and vocab first: `fail` stops the job before any hook goes on. Everything
         that can refuse comes before what changes the model (a refused attach leaves weights,
         generation_config and hooks as they were)."""
-        unread = [(s.check_name, u) for s in self.states if (u := s.unread()) is not None]
         verdict = attach_verdict(self.sizes.audit, self.policy, self.record.rank,
-                                 found=self.sizes.found, unread=unread)
+                                 found=self.sizes.found, unread=self.states.unread())
         self.record.add(verdict)
         if (error := verdict.error()) is not None:
             raise error
         self.handles += self.probe.install(self.model, self.heads, self.states, self.caller)
-        for state in self.states:
-            self.handles += state.install()
+        self.handles += self.states.install()
         self.handles += self.clock.install(self.caller, self.optimizer)
         if self.episodes is not None and self.optimizer is not None:
             self.handles += self.episodes.install(self.probe)
-        for state in self.states:  # what each found, in the report and the log
-            if (said := state.attach_note(self.record.rank)) is not None:
-                check = state.check_name
-                self.record.note(Note(check, self.policy.action(check), 0, said))
+        for check, said in self.states.attach_notes(self.record.rank):  # report and log
+            self.record.note(Note(check, self.policy.action(check), 0, said))
         self.clock.start()  # the weights' rows as they are before step 1 (a repair, or a fail)
-        for state in self.states:
-            state.after_attach(self.model)
+        self.states.after_attach(self.model)
         if drop_compiled():
             log.info("dropped torch.compile's cached graphs, which may run this model "
                      "traced without the guard's hooks; each compiled function recompiles once")

@@ -14,6 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from guard.override import Override, override
 from guard.vocab.discover import Heads
 
 __all__ = ["FUSED_KWARG", "FusedHead", "RealRows"]
@@ -53,6 +54,7 @@ class FusedHead:
         self.head, self.real = heads.head_holder, real
         self.owners = [m for m in model.modules() if _gives(m, heads.lm_head)]
         self.active = False
+        self._overrides: list[Override] = []
 
     @staticmethod
     def asked(kwargs: dict[str, Any]) -> bool:
@@ -63,14 +65,14 @@ class FusedHead:
         """For this forward, the owners give the real rows (an instance attribute over the
         class's method)."""
         rows = RealRows(self.head, self.real)
-        for m in self.owners:
-            m.__dict__["get_output_embeddings"] = lambda rows=rows: rows
+        self._overrides += [override(m, "get_output_embeddings", lambda rows=rows: rows)
+                            for m in self.owners]
         self.active = True
 
     def off(self) -> None:
         """The owners give the head again; idempotent (the model's forward hook and detach)."""
-        for m in self.owners:
-            m.__dict__.pop("get_output_embeddings", None)
+        while self._overrides:  # the last first: each puts back what the one before left
+            self._overrides.pop().remove()
         self.active = False
 
     def remove(self) -> None:  # a Handle: detach puts everything back

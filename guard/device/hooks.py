@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from guard.device.compile import eager_at_top_level
+from guard.override import override
 
 __all__ = [
     "Compiled", "Handle", "Kind", "hook", "register", "registered", "wrap_call", "wrap_loss",
@@ -68,37 +69,19 @@ def hook(target: nn.Module | torch.optim.Optimizer | torch.Tensor, fn: Callable[
 
 
 class Handle(Protocol):
-    """What the guard keeps of each thing it put on a model: torch's RemovableHandle, or a
-    `_LossHandle`; `remove()` is idempotent."""
+    """What the guard keeps of each thing it put on a model: torch's RemovableHandle, or an
+    attribute's override (guard/override.py); `remove()` is idempotent."""
 
     def remove(self) -> None: ...
 
 
-class _LossHandle:
-    """What `wrap_loss` returns: `remove()` puts the model's own loss function back."""
-
-    def __init__(self, owner: nn.Module, had: bool, before: Any) -> None:
-        self._undo: tuple[nn.Module, bool, Any] | None = (owner, had, before)
-
-    def remove(self) -> None:
-        if self._undo is None:
-            return
-        owner, had, before = self._undo
-        self._undo = None
-        if had:
-            owner.__dict__["_loss_function"] = before
-        else:
-            owner.__dict__.pop("_loss_function", None)
-
-
 def wrap_loss(owner: nn.Module, fn: Callable[[Any], Any]) -> Handle:
-    """Make `owner.loss_function(logits, ...)` (HF's settable property) call `fn(logits)`
-    first and compute the loss from what it returns: the logits exactly as the loss receives
-    them, after anything the model did to the head's output."""
+    """Make `owner.loss_function(logits, ...)` (HF's settable property, which keeps its value
+    in `_loss_function`) call `fn(logits)` first and compute the loss from what it returns:
+    the logits exactly as the loss receives them, after anything the model did to the head's
+    output."""
     inner = getattr(fn, "__func__", fn)
     _REGISTERED[inner.__code__] = inner.__qualname__
-    had = "_loss_function" in owner.__dict__
-    before = owner.__dict__.get("_loss_function")
     loss_function: Callable[..., Any] = cast(Any, owner).loss_function  # what it uses now
 
     def guarded_loss(*args: Any, **kwargs: Any) -> Any:
@@ -108,29 +91,14 @@ def wrap_loss(owner: nn.Module, fn: Callable[[Any], Any]) -> Handle:
             args = (fn(args[0]), *args[1:])
         return loss_function(*args, **kwargs)
 
-    cast(Any, owner).loss_function = guarded_loss  # HF's property setter
-    return _LossHandle(owner, had, before)
-
-
-class _StepHandle:
-    """What `wrap_step` returns: `remove()` takes the wrapper's `step` off the object."""
-
-    def __init__(self, owner: object, wrapped: Callable[..., Any]) -> None:
-        self._undo: tuple[object, Callable[..., Any]] | None = (owner, wrapped)
-
-    def remove(self) -> None:
-        if self._undo is None:
-            return
-        owner, wrapped = self._undo
-        self._undo = None
-        if owner.__dict__.get("step") is wrapped:
-            del owner.__dict__["step"]  # the class's step shows again
+    return override(owner, "_loss_function", guarded_loss)
 
 
 def wrap_step(owner: object, fn: Callable[..., Any]) -> Handle:
     """Make `owner.step(*args, **kwargs)` call `fn(step, *args, **kwargs)`, `step` being its
     own: a step pre-hook for an optimizer wrapper that is no torch optimizer (DeepSpeed's,
-    whose one step is an update of every parameter group)."""
+    whose one step is an update of every parameter group). Removed, the class's step shows
+    again."""
     inner = getattr(fn, "__func__", fn)
     _REGISTERED[inner.__code__] = inner.__qualname__
     if "step" in vars(owner):
@@ -140,29 +108,14 @@ def wrap_step(owner: object, fn: Callable[..., Any]) -> Handle:
     def guarded_step(*args: Any, **kwargs: Any) -> Any:
         return fn(step, *args, **kwargs)
 
-    owner.__dict__["step"] = guarded_step
-    return _StepHandle(owner, guarded_step)
-
-
-class _CallHandle:
-    """What `wrap_call` returns: `remove()` puts the function back, unless something wrapped
-    it again since (then the guard's wrapper stays, passing through)."""
-
-    def __init__(self, owner: object, name: str, before: Any, wrapped: Any) -> None:
-        self._undo: tuple[object, str, Any, Any] | None = (owner, name, before, wrapped)
-
-    def remove(self) -> None:
-        if self._undo is None:
-            return
-        owner, name, before, wrapped = self._undo
-        self._undo = None
-        if getattr(owner, name, None) is wrapped:
-            setattr(owner, name, before)
+    return override(owner, "step", guarded_step)
 
 
 def wrap_call(owner: object, name: str, fn: Callable[..., Any]) -> Handle:
     """Make `owner.name(*args, **kwargs)` (a library's function, looked up at each call) call
-    `fn(original, *args, **kwargs)`: the loop's gradient clip (guard/device/clip.py)."""
+    `fn(original, *args, **kwargs)`: the loop's gradient clip (guard/device/clip.py). Removed,
+    the function is back, unless something wrapped it again since (then the guard's wrapper
+    stays, passing through)."""
     inner = getattr(fn, "__func__", fn)
     _REGISTERED[inner.__code__] = inner.__qualname__
     original: Callable[..., Any] = getattr(owner, name)
@@ -171,8 +124,7 @@ def wrap_call(owner: object, name: str, fn: Callable[..., Any]) -> Handle:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         return fn(original, *args, **kwargs)
 
-    setattr(owner, name, guarded)
-    return _CallHandle(owner, name, original, guarded)
+    return override(owner, name, guarded)
 
 
 def register(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

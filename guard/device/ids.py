@@ -1,13 +1,13 @@
 """The token ids of a training forward, as the hooks see them: the input ids, in a pre-hook on
 every module that embeds with the embedding's weight, and the labels, in the model's pre-hook
 (`labels=` / `targets=`, or their position in its forward: guard/device/labels.py). token_range
-checks both; a stateful check may count them too (untrained_rows: `IdWatcher`). Device ops
-only."""
+checks both; a stateful check may count them too (untrained_rows, through the states'
+`Watched`). Device ops only."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,27 +19,20 @@ from guard.device.hooks import Handle, hook
 from guard.device.labels import LabelsArg
 from guard.device.logits import ProbeConfig
 from guard.device.ops import out_of_range_parts, within_rows
+from guard.device.watched import Watched
 from guard_server.wire import ID_KINDS, IdKind
 
-__all__ = ["IdHooks", "IdWatcher"]
-
-
-class IdWatcher(Protocol):
-    """A check's state that counts ids in the hooks (device ops, nothing read to the host)."""
-
-    def watches(self, kind: IdKind) -> bool: ...
-
-    def count(self, kind: IdKind, ids: torch.Tensor) -> None: ...
+__all__ = ["IdHooks"]
 
 
 class IdHooks:
-    """What the id hooks do with the ids: count them for the watchers, check them for
-    token_range, and replace those with no row before they index out of bounds."""
+    """What the id hooks do with the ids: count them for the states that watch them, check
+    them for token_range, and replace those with no row before they index out of bounds."""
 
-    def __init__(self, cfg: ProbeConfig, flags: Flags, watchers: Sequence[IdWatcher] = ()) -> None:
-        self.cfg, self.flags = cfg, flags
-        # Per kind of id, the watchers that count it (none: the hook asks nothing of them).
-        self._watchers = {k: tuple(w for w in watchers if w.watches(k)) for k in ID_KINDS}
+    def __init__(self, cfg: ProbeConfig, flags: Flags, states: Watched | None = None) -> None:
+        self.cfg, self.flags, self._states = cfg, flags, states
+        # Per kind of id, whether a state counts it (none: the hook asks nothing of them).
+        self._counted = {k: states is not None and states.watches(k) for k in ID_KINDS}
         self.labels_arg = LabelsArg(None, "forward")  # set at install, from the model
 
     def install(self, caller: nn.Module, model: nn.Module,
@@ -48,7 +41,7 @@ class IdHooks:
         where the input ids are needed; the labels are the model pre-hook's (`labels`), found
         in the calls of `caller` by `model`'s own forward when `caller` names none."""
         self.labels_arg = LabelsArg.of(caller, model)
-        if not (self.cfg.token_range or self._watchers["input"]):
+        if not (self.cfg.token_range or self._counted["input"]):
             return []
         return [hook(m, self._embedding_pre, kind="forward_pre") for m in inputs]
 
@@ -59,8 +52,8 @@ class IdHooks:
         ids = local(given)  # tensor parallel's embedding plans hand it a DTensor of global ids
         if ids.is_floating_point():  # embeddings of something else
             return None
-        for w in self._watchers["input"]:
-            w.count("input", ids)
+        if self._counted["input"] and self._states is not None:
+            self._states.count("input", ids)
         if not self.cfg.token_range:
             return None
         self.flags.mark(coverage.SEEN["inputs"])
@@ -77,7 +70,7 @@ class IdHooks:
         """In the model's pre-hook: its labels counted and checked in a training forward, and
         made safe (also for a fused head handed the real rows, `fused`); the new (args,
         kwargs), or None to leave them."""
-        counting = self._watchers["label"] if training else ()
+        counting = training and self._counted["label"]
         checked = training and self.cfg.token_range
         if not (checked or fused or counting):
             return None
@@ -98,16 +91,17 @@ class IdHooks:
         counted and checked as labels (a training step's), and returned made safe."""
         if not isinstance(given, torch.Tensor) or given.is_floating_point():
             return given
-        safe = self._label_ids(given, self._watchers["label"], checked=self.cfg.token_range,
+        safe = self._label_ids(given, self._counted["label"], checked=self.cfg.token_range,
                                fused=False)
         return given if safe is None else safe
 
-    def _label_ids(self, given: torch.Tensor, counting: Sequence[IdWatcher], *, checked: bool,
+    def _label_ids(self, given: torch.Tensor, counting: bool, *, checked: bool,
                    fused: bool) -> torch.Tensor | None:
-        """The labels counted, checked (`checked`) and made safe; None: left as they are."""
+        """The labels counted (`counting`), checked (`checked`) and made safe; None: left as
+        they are."""
         labels = local(given)
-        for w in counting:
-            w.count("label", labels)
+        if counting and self._states is not None:
+            self._states.count("label", labels)
         if not (checked or fused):
             return None
         ignore = self.cfg.ignore_index

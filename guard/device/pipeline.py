@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from guard.device.hooks import Handle, register
+from guard.override import override
 
 __all__ = ["INFERENCE", "quiet_inference"]
 
@@ -25,25 +26,11 @@ __all__ = ["INFERENCE", "quiet_inference"]
 INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
 
 
-class _Restore:
-    """Takes the wraps off the stage object (detach)."""
-
-    def __init__(self, owner: object, names: list[str]) -> None:
-        self.owner, self.names = owner, names
-
-    def remove(self) -> None:
-        for name in self.names:
-            self.owner.__dict__.pop(name, None)
-        self.names = []
-
-
-def quiet_inference(stage: object, module: nn.Module, flag: Any) -> Handle:
+def quiet_inference(stage: object, module: nn.Module, flag: Any) -> list[Handle]:
     """Wrap each of `stage`'s shape-inference methods so that `module` runs in eval mode and
-    `flag.inferring` is True while it runs; a Handle whose remove() unwraps them."""
-    names = [n for n in INFERENCE if callable(getattr(stage, n, None))]
-    for name in names:
-        stage.__dict__[name] = register(_quiet(getattr(stage, name), module, flag))
-    return _Restore(stage, names)
+    `flag.inferring` is True while it runs; the handles whose remove() unwraps them."""
+    return [override(stage, n, register(_quiet(getattr(stage, n), module, flag)))
+            for n in INFERENCE if callable(getattr(stage, n, None))]
 
 
 def _quiet(fn: Callable[..., Any], module: nn.Module, flag: Any) -> Callable[..., Any]:

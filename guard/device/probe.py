@@ -5,8 +5,8 @@ it at a boundary. Nothing in a hook reads a tensor to the host."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,33 +16,20 @@ from guard.device.dtensors import head_output, local
 from guard.device.flags import Flags
 from guard.device.fused import FusedHead
 from guard.device.hooks import Handle, hook, register
-from guard.device.ids import IdHooks, IdWatcher
+from guard.device.ids import IdHooks
 from guard.device.logits import Logits, ProbeConfig
 from guard.device.loss import LossShares, StepLoss
 from guard.device.ops import mask_padding, nonfinite_positions
 from guard.device.reading import Reading
 from guard.device.site import LogitsSite, find_loss
+from guard.device.watched import Watched
 from guard.policy import Policy
 from guard.vocab.discover import Heads
 from guard.vocab.resolve import Sizes
 
-__all__ = ["Probe", "Watched", "find_loss", "mask_hook"]
+__all__ = ["Probe", "find_loss", "mask_hook"]
 
 log = logging.getLogger("guard")
-
-
-class Watched(IdWatcher, Protocol):
-    """What the probe asks of a stateful check's state (guard/stateful/state.py)."""
-
-    @property
-    def at_detach(self) -> bool: ...
-
-    @property
-    def reads_at_attach(self) -> bool: ...
-
-    def end_step(self) -> None: ...
-
-    def check(self) -> None: ...
 
 
 class Probe:
@@ -54,8 +41,7 @@ class Probe:
         self.flags = flags
         self.loss = loss
         self.logits = Logits(cfg, flags)
-        # The stateful checks' states, in the table's order: read before each flags read.
-        self.states: tuple[Watched, ...] = ()
+        self.states: Watched | None = None  # the stateful checks', given at install
         self.ids = IdHooks(cfg, flags)
         # This forward's final hidden states, and whether it called the head: a forward that
         # computes its loss from the head's weight without calling it (a fused
@@ -91,7 +77,7 @@ class Probe:
     @property
     def reads_at_attach(self) -> bool:
         """Something is checked before step 1 (the weights' rows: padding, untrained)."""
-        return self.pipelined or any(s.reads_at_attach for s in self.states)
+        return self.pipelined or (self.states is not None and self.states.reads_at_attach)
 
     def end_step(self, step: int) -> None:
         """Step `step` ended: fold its loss, count what it did not see, move the sample."""
@@ -100,8 +86,8 @@ class Probe:
         self.site.notes.clear()
         self.logits.begin(step)
         self.loss.fold()
-        for state in self.states:  # the gradients, before the update
-            state.end_step()
+        if self.states is not None:  # the gradients, before the update
+            self.states.end_step()
         self.flags.end_step()
 
     def watch_skips(self) -> None:
@@ -115,9 +101,8 @@ class Probe:
     def read(self, *, lagged: bool, reduce: bool = True, weights: bool = True) -> Reading | None:
         """The flags, after each state's reductions (device ops; not `weights`: the read of
         detach, only those that run there)."""
-        for state in self.states:
-            if weights or state.at_detach:
-                state.check()
+        if self.states is not None:
+            self.states.check(weights=weights)
         if self.logits.sharded is not None:  # every rank of a vocab-parallel head's group
             self.logits.sharded.combine(reduce=reduce)
         if self._skips_watched:
@@ -143,15 +128,15 @@ class Probe:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def install(self, model: nn.Module, heads: Heads, states: Sequence[Watched] = (),
+    def install(self, model: nn.Module, heads: Heads, states: Watched | None = None,
                 caller: nn.Module | None = None) -> list[Handle]:
         """Hooks for the enabled checks only (a check that is off costs nothing), and the
         stateful checks' `states`, which count ids in the id hooks and read before each read.
         `caller`: the module whose forward hooks see each call of `model` (a wrapper that
         calls the model's forward method past its hooks; `model` itself otherwise)."""
         caller = model if caller is None else caller
-        self.states = tuple(states)
-        self.ids = IdHooks(self.cfg, self.flags, self.states)
+        self.states = states
+        self.ids = IdHooks(self.cfg, self.flags, states)
         self._head = heads.head_holder  # its weight: a fused loss is measured with it
         c = self.cfg
         handles: list[Handle] = [hook(caller, self._model_pre, kind="forward_pre",

@@ -1,8 +1,7 @@
 """What a stateful check is made of: a state object made at attach, which owns what the check
 found there, the device state its hooks write, its reads before each flags read, its repair,
-what it adds to its message and what it says at attach. The guard iterates the states in the
-table's order (guard/stateful/table.py) on every rank, so the collectives among them run in one
-order everywhere."""
+what it adds to its message and what it says at attach. The guard calls them through their
+collection (guard/stateful/states.py), which fixes their order on every rank."""
 
 from __future__ import annotations
 
@@ -57,8 +56,8 @@ class Finding:
 
 class CheckState:
     """The state of one stateful check in one guard. Each method runs at the same point on
-    every rank, and across checks in the table's order: a collective may be among them. The
-    defaults do nothing, so a check defines only the verbs it has."""
+    every rank (a collective may be among them), called by `States`. The defaults do nothing,
+    so a check defines only the verbs it has."""
 
     spec: ClassVar[Spec[Any]]
     # `check` runs at the read of detach too, local: one rank may detach alone, so a check

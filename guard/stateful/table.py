@@ -1,15 +1,15 @@
-"""The stateful checks, one state each, made at attach in the verdict's order (guard/checks/
-table.py): the order in which every rank checks, details and repairs them."""
+"""The stateful checks, one state each, made at attach; their collection (guard/stateful/
+states.py) puts them in the verdict's order."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from guard.checks import CHECKS
 from guard.stateful.coverage import CoverageState
 from guard.stateful.nonfinite import GradState
 from guard.stateful.padding_rows import PaddingRowsState
 from guard.stateful.state import Attaching, CheckState
+from guard.stateful.states import States
 from guard.stateful.tie_across import tie_state
 from guard.stateful.untrained_rows import UntrainedRowsState
 from guard_server.wire import CheckName
@@ -26,13 +26,6 @@ STATEFUL: Mapping[CheckName, Callable[[Attaching], CheckState | None]] = {
 }
 
 
-def attach_states(at: Attaching) -> tuple[CheckState, ...]:
-    """The states of the enabled stateful checks, in the table's order (never a mapping's or a
-    set's: their collectives must run in one order on every rank)."""
-    out = []
-    for spec in CHECKS:
-        make = STATEFUL.get(spec.check)
-        if make is not None and at.policy.enabled(spec.check) and \
-                (state := make(at)) is not None:
-            out.append(state)
-    return tuple(out)
+def attach_states(at: Attaching) -> States:
+    """The states of the enabled stateful checks that have something to watch here."""
+    return States.make(STATEFUL, at)

@@ -4,20 +4,18 @@ emit, raise. The step clock calls it at attach, at each read boundary and at det
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Literal
 
-from guard.checks.spec import Stats
 from guard.device.reading import Reading
 from guard.policy import Action, Policy
+from guard.stateful.states import States
 from guard.step.episodes import Episodes
 from guard.step.record import Record
 from guard.step.verdict import judge
 from guard.vocab.resolve import Sizes
-from guard_server.wire import CheckName
 
-__all__ = ["Names", "Reader", "Stateful", "When"]
+__all__ = ["Names", "Reader", "When"]
 
 log = logging.getLogger("guard")
 
@@ -35,28 +33,14 @@ class Names:
     head: str  # the lm_head's name in the model
 
 
-class Stateful(Protocol):
-    """What a read asks of a stateful check's state (guard/stateful/state.py)."""
-
-    @property
-    def check_name(self) -> CheckName: ...
-
-    def detail(self, reading: Reading, *, reduce: bool) -> str: ...
-
-    def stats(self, reading: Reading) -> Stats: ...
-
-    def repair(self) -> None: ...
-
-
 class Reader:
     """Turns each reading into its consequences for one guard."""
 
     def __init__(self, policy: Policy, sizes: Sizes, names: Names, record: Record,
-                 episodes: Episodes | None, states: Sequence[Stateful] = ()) -> None:
+                 episodes: Episodes | None, states: States | None = None) -> None:
         self._policy, self._sizes, self._names = policy, sizes, names
         self._record, self._episodes = record, episodes
-        # The stateful checks' states, in the table's order: the order of their collectives.
-        self._states = tuple(states)
+        self._states = States() if states is None else states
 
     def read(self, reading: Reading, step: int, *, when: When, now: int = 0,
              in_step: bool = False, closure: bool = False, dropped: bool = False) -> bool:
@@ -70,12 +54,11 @@ class Reader:
         (guard/step/skip.py), so a skip is only counted here.
         """
         record = self._record
-        record.update(reading.local, step, *(s.stats(reading) for s in self._states))
+        record.update(reading.local, step, *self._states.stats(reading))
         # What each state whose check fired adds to its message, combined over ranks unless
-        # read at detach (one rank may detach alone): every rank asks the same states.
-        fired = [s for s in self._states if reading.fired_on(s.check_name) is not None]
-        reading = replace(reading, details={
-            s.check_name: s.detail(reading, reduce=when in ("attach", "step")) for s in fired})
+        # read at detach (one rank may detach alone).
+        reading = replace(reading, details=self._states.details(
+            reading, reduce=when in ("attach", "step")))
         verdict = judge(reading, self._policy, step=step, real=self._sizes.real_rows,
                         rows=self._sizes.rows, head=self._names.head,
                         real_from=self._sizes.found.source, mass=self._sizes.mass_over)
@@ -86,13 +69,10 @@ class Reader:
                 record.note(note)
         record.add(verdict)
         # No repair at detach: nothing trains after it, and a repair may be a collective
-        # that a rank detaching alone would wait on forever. In the table's order, never a
-        # set's: str hashing differs per process, and a set could order them apart on ranks.
-        repairing = {v.check for v in verdict.violations if v.action is Action.REPAIR}
+        # that a rank detaching alone would wait on forever.
         if when in ("attach", "step"):
-            for state in self._states:
-                if state.check_name in repairing:
-                    state.repair()
+            self._states.repair({v.check for v in verdict.violations
+                                 if v.action is Action.REPAIR})
         skip = False
         if when == "step":
             # Every rank reads the same all-reduced values, so every rank skips the same step.
