@@ -63,6 +63,7 @@ class Probe:
         self._hidden: torch.Tensor | None = None
         self._head_called = False
         self._head: nn.Module | None = None  # the module holding the head's weight
+        self._head_hooked = False  # hooks on the head's output (the logits checks are on)
         # Where the logits the loss sees come out: measured and masked there.
         self.site = LogitsSite(cfg, self.logits)
         self.fused: FusedHead | None = None  # a fused LM head handed the real rows (TRL)
@@ -159,7 +160,8 @@ class Probe:
         handles += self.ids.install(caller, model, heads.inputs)
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
-        if c.padding_mass or c.mask or c.nonfinite:
+        self._head_hooked = bool(c.padding_mass or c.mask or c.nonfinite)
+        if self._head_hooked:
             # Ahead of tensor parallel's own output hook, which may gather the logits or
             # hand out a local view autograd forbids masking in place: the head's DTensor.
             handles.append(hook(heads.lm_head, self._head_post, kind="forward",
@@ -204,6 +206,16 @@ class Probe:
             masked = self.site.at_part(found.columns, found.masked, found.real, module.training)
         return None if masked is None or masked is found.masked else found.put(masked)
 
+    def loss_input(self, output: Any) -> Any:
+        """A last stage's output as its loss_fn is given it, in a training forward: the
+        logits of a head whose forward hooks did not run (DeepSpeed calls a `TiedLayerSpec`
+        head through its `forward_fn`, past the module) measured and masked here, as the
+        head's hook does; else as given."""
+        if self._head_called or not self._head_hooked or self._head is None:
+            return output
+        masked = self._head_post(self._head, (), output)
+        return output if masked is None else masked
+
     def _hidden_post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if module.training and isinstance(out, torch.Tensor):
             self._hidden = out  # a reference: autograd keeps it alive anyway
@@ -231,6 +243,8 @@ class Probe:
 def _stage_loss(probe: Probe, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     def guarded_loss_fn(output: Any, target: Any) -> Any:
         training = torch.is_grad_enabled() and not probe.inferring
+        if training:
+            output = probe.loss_input(output)
         loss = fn(output, probe.ids.target(target) if training else target)
         if training and isinstance(loss, torch.Tensor):
             probe.loss.record(loss, given=True)
