@@ -64,6 +64,7 @@ class Probe:
         self._head_called = False
         self._head: nn.Module | None = None  # the module holding the head's weight
         self._head_hooked = False  # hooks on the head's output (the logits checks are on)
+        self._stage_loss = False  # g.loss_fn wraps a last stage's loss: the output goes there
         # Where the logits the loss sees come out: measured and masked there.
         self.site = LogitsSite(cfg, self.logits)
         self.fused: FusedHead | None = None  # a fused LM head handed the real rows (TRL)
@@ -140,6 +141,7 @@ class Probe:
     def stage_loss(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """A pipeline schedule's `loss_fn(output, target)` (the last stage's): the target
         checked as labels and the loss recorded, per micro-batch, in a training step."""
+        self._stage_loss = True
         return register(_stage_loss(self, fn))
 
     # -- hooks -------------------------------------------------------------------------------
@@ -210,8 +212,15 @@ class Probe:
         """A last stage's output as its loss_fn is given it, in a training forward: the
         logits of a head whose forward hooks did not run (DeepSpeed calls a `TiedLayerSpec`
         head through its `forward_fn`, past the module) measured and masked here, as the
-        head's hook does; else as given."""
+        head's hook does; else as given. An output that is no logits (a loss_fn computing a
+        fused loss from the head's weight): the final hidden states measured as a fused
+        head's."""
+        hidden, self._hidden = self._hidden, None  # kept past the forward for this call
         if self._head_called or not self._head_hooked or self._head is None:
+            return output
+        if head_output(output, self.cfg.head_columns) is None:  # a fused loss_fn: not logits
+            if hidden is not None:
+                self.logits.measure_fused(hidden, self._head, masked=False)
             return output
         masked = self._head_post(self._head, (), output)
         return output if masked is None else masked
@@ -237,7 +246,10 @@ class Probe:
             self.loss.record(loss)
         hidden, self._hidden = self._hidden, None
         if hidden is not None and not self._head_called and self._head is not None:
-            self.logits.measure_fused(hidden, self._head, masked=fused)
+            if self._stage_loss and not fused:  # the loss_fn next: its logits, if it has them
+                self._hidden = hidden
+            else:
+                self.logits.measure_fused(hidden, self._head, masked=fused)
 
 
 def _stage_loss(probe: Probe, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
