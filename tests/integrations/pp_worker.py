@@ -9,7 +9,8 @@ rows on each (GPipe);
 `pp3`: 3 stages (GPipe), a NaN born in the middle stage's backward;
 `pp2tp2`: 4 ranks, a ("pp", "tp") mesh: 2 stages over "pp", each stage's ends vocab-parallel
 over "tp" (pp_models.vocab_parallel: the head's logits a DTensor under `loss_parallel`), every
-case of CASES, a NaN born in the first stage's backward and the tied copies (GPipe).
+case of CASES, a NaN born in the first stage's backward and the tied copies, under each
+schedule.
 Every rank attaches to its `PipelineStage`; the last stage wraps the schedule's loss with
 `g.loss_fn`. Each rank writes OUT_DIR/rank<N>.json: per schedule, per case, what the guard
 did on this rank.
@@ -315,7 +316,8 @@ def pp_tp() -> list[Run]:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     index = mesh.get_coordinate()[0]
-    return [Run("gpipe", index, 2, mesh["pp"].get_group(), mesh["tp"])]
+    return [Run(schedule, index, 2, mesh["pp"].get_group(), mesh["tp"])
+            for schedule in ("gpipe", "1f1b")]
 
 
 def main(out: Path, mode: str) -> None:

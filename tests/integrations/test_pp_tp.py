@@ -1,12 +1,12 @@
 """Pipeline parallel x tensor parallel under torchrun on gloo: 4 ranks on a ("pp", "tp") mesh,
-torch's own pipelining (`PipelineStage`, `ScheduleGPipe`, 2 micro-batches) over "pp", each
-stage's end vocab-parallel over "tp" with torch's tensor parallel (issue 31's layout): the
-first stage's embedding `RowwiseParallel`, the last stage's head `ColwiseParallel` with its
-logits a DTensor under `loss_parallel`. Ranks 0 and 1 hold stage 0 (tp 0 and 1), ranks 2 and
-3 stage 1; rank 3 holds the head's rows [512, 1024), the padding rows [1000, 1024) among them.
-A guard on every rank takes one decision over the four. One launch runs every case
-(pp_worker.py `pp2tp2`); a rank that skips a collective the others make hangs it, and the
-launch is killed under its timeout."""
+torch's own pipelining (`PipelineStage`, `ScheduleGPipe` and `Schedule1F1B`, 2 micro-batches)
+over "pp", each stage's end vocab-parallel over "tp" with torch's tensor parallel (issue 31's
+layout): the first stage's embedding `RowwiseParallel`, the last stage's head
+`ColwiseParallel` with its logits a DTensor under `loss_parallel`. Ranks 0 and 1 hold stage 0
+(tp 0 and 1), ranks 2 and 3 stage 1; rank 3 holds the head's rows [512, 1024), the padding
+rows [1000, 1024) among them. A guard on every rank takes one decision over the four. One
+launch runs every case under both schedules (pp_worker.py `pp2tp2`); a rank that skips a
+collective the others make hangs it, and the launch is killed under its timeout."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 from tests.integrations.pp_models import REAL
 from tests.integrations.test_distributed import DIST
 from tests.integrations.test_pipeline import (
+    SCHEDULES,
     assert_garbage_stops,
     assert_nan_born_on,
     cases,
@@ -28,16 +29,18 @@ pptp = launched("pp2tp2", 4)
 FIRST, LAST = (0, 1), (2, 3)  # the ranks of each stage
 
 
-def by_stage(ranks: list[dict[str, Any]], case: str) -> tuple[list[dict[str, Any]],
-                                                                list[dict[str, Any]]]:
-    every = cases(ranks, "gpipe", case)
+def by_stage(ranks: list[dict[str, Any]], schedule: str,
+             case: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    every = cases(ranks, schedule, case)
     return [every[r] for r in FIRST], [every[r] for r in LAST]
 
 
 @pytest.mark.slow
 @DIST
-def test_a_healthy_pp_tp_pipeline_is_quiet_on_every_rank(pptp: list[dict[str, Any]]) -> None:
-    first, last = by_stage(pptp, "healthy")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_healthy_pp_tp_pipeline_is_quiet_on_every_rank(
+        pptp: list[dict[str, Any]], schedule: str) -> None:
+    first, last = by_stage(pptp, schedule, "healthy")
     for res in first + last:
         assert res["violations"] == {} and res["logged"] == []  # no blind step either
     for res in first:
@@ -50,9 +53,10 @@ def test_a_healthy_pp_tp_pipeline_is_quiet_on_every_rank(pptp: list[dict[str, An
 
 @pytest.mark.slow
 @DIST
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_garbage_padding_rows_on_one_tp_rank_stop_every_stage(
-        pptp: list[dict[str, Any]]) -> None:
-    for res in cases(pptp, "gpipe", "garbage"):
+        pptp: list[dict[str, Any]], schedule: str) -> None:
+    for res in cases(pptp, schedule, "garbage"):
         # Rank 3 holds them; the padding mass is the whole vocab's, the two tp shards'
         # columns combined (both last-stage ranks measure one softmax), named by the highest.
         assert_garbage_stops(res, 3)
@@ -60,8 +64,10 @@ def test_garbage_padding_rows_on_one_tp_rank_stop_every_stage(
 
 @pytest.mark.slow
 @DIST
-def test_the_mask_trains_the_real_vocab_across_pp_and_tp(pptp: list[dict[str, Any]]) -> None:
-    first, last = by_stage(pptp, "mask")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_mask_trains_the_real_vocab_across_pp_and_tp(
+        pptp: list[dict[str, Any]], schedule: str) -> None:
+    first, last = by_stage(pptp, schedule, "mask")
     for res in first + last:
         assert res["violations"] == {}
     for res in first:
@@ -75,10 +81,11 @@ def test_the_mask_trains_the_real_vocab_across_pp_and_tp(pptp: list[dict[str, An
 
 @pytest.mark.slow
 @DIST
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_ghost_input_id_on_the_first_stage_stops_every_rank(
-        pptp: list[dict[str, Any]]) -> None:
-    first, _ = by_stage(pptp, "ghost")
-    for res in cases(pptp, "gpipe", "ghost"):
+        pptp: list[dict[str, Any]], schedule: str) -> None:
+    first, _ = by_stage(pptp, schedule, "ghost")
+    for res in cases(pptp, schedule, "ghost"):
         v = res["violation"]
         assert res["raised_at"] == 2 and res["unchanged"]  # before any rank's update
         # Both first-stage ranks see the replicated input ids: the highest names it.
@@ -91,9 +98,10 @@ def test_a_ghost_input_id_on_the_first_stage_stops_every_rank(
 
 @pytest.mark.slow
 @DIST
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_nan_born_in_the_first_stage_backward_is_named_there(
-        pptp: list[dict[str, Any]]) -> None:
-    for res in cases(pptp, "gpipe", "nan_first"):
+        pptp: list[dict[str, Any]], schedule: str) -> None:
+    for res in cases(pptp, schedule, "nan_first"):
         # The first stage's: the last stage's gradients (the vocab-parallel head's among
         # them) are finite.
         assert_nan_born_on(res, 0, "pipeline stage 0 of 2 (the embedding)")
@@ -101,14 +109,15 @@ def test_a_nan_born_in_the_first_stage_backward_is_named_there(
 
 @pytest.mark.slow
 @DIST
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tied_vocab_parallel_copies_on_two_stages_are_checked_shard_by_shard(
-        pptp: list[dict[str, Any]]) -> None:
+        pptp: list[dict[str, Any]], schedule: str) -> None:
     def pair(tp: int, ids: str) -> str:
         return (f"tok_embeddings.weight on pipeline stage 0 of 2 (the embedding), rank {tp}, "
                 f"and output.weight on pipeline stage 1 of 2 (the head), rank {tp + 2}, "
                 f"differ in {ids}")
 
-    for res in cases(pptp, "gpipe", "tied"):
+    for res in cases(pptp, schedule, "tied"):
         # Each tp rank of stage 0 holds the rows its peer on stage 1 holds: quiet in step.
         assert res["healthy"] == {"violations": {}, "logged": []}
         drift = res["drift"]  # rows 5 (tp 0's) and 700 (tp 1's) written between steps 1, 2
