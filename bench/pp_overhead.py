@@ -21,10 +21,7 @@ lockstep), and the time of one checksum pass of a copy.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,25 +32,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import guard
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for bench.*
 
-REAL, ROWS = 50257, 50304  # GPT-2's tokenizer, padded to a multiple of 64
+import guard
+from bench.ranked import REAL, ROWS, arguments, interleaved, machine, under_torchrun
+
 POLICY: dict[str, Any] = {"export": {"serve": None}}
 ARMS = ("unguarded", "guarded", "unguarded, tied", "guarded, tied")
 BASE = {"guarded": "unguarded", "guarded, tied": "unguarded, tied"}  # each arm's baseline
+SECTION = "Pipeline parallel overhead (cpu)"
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n-layer", type=int, default=2, help="blocks in all (half a stage)")
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--block", type=int, default=128)
+    arguments(p, steps=15, section=SECTION)
     p.add_argument("--micro", type=int, default=2)
-    p.add_argument("--steps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--write", type=Path, help="replace the 'Pipeline parallel overhead (cpu)' "
-                   "section of this markdown file")
     return p.parse_args()
 
 
@@ -128,17 +121,7 @@ def ranks(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     arms = {name: Arm(args, name) for name in ARMS}
-    times: dict[str, list[float]] = {n: [] for n in arms}
-    gen = torch.Generator().manual_seed(0)
-    for step in range(args.warmup + args.steps):
-        x, y = (torch.randint(0, REAL, (args.batch, args.block), generator=gen)
-                for _ in range(2))
-        for name, arm in arms.items():
-            dist.barrier()
-            start = time.perf_counter()
-            arm.step(x, y)
-            if step >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+    times = interleaved(args, {name: arm.step for name, arm in arms.items()})
     stats = [a.g.stats for a in arms.values() if a.g is not None]
     for a in arms.values():
         if a.g is not None:
@@ -164,10 +147,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], checksum_ms:
         b = BASE.get(n, n)
         paired = statistics.median(x / y for x, y in zip(times[n], times[b], strict=True))
         lines.append(f"| {n} | {v:.1f} | {v / med[b]:.3f}x vs {b} | {paired:.3f}x |")
-    load = os.getloadavg()[0]
-    text = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-            f"shared with other jobs (load average {load:.1f} at the end); Python "
-            f"{platform.python_version()}, torch {torch.__version__}.\n\n"
+    text = (machine(" shared with other jobs") +
             f"Command: `python bench/pp_overhead.py {' '.join(sys.argv[1:])}` (PP 2 on gloo, "
             f"one thread a rank, torch's PipelineStage and ScheduleGPipe with {args.micro} "
             f"micro-batches; {args.n_layer} blocks, d={args.n_embd}, batch {args.batch} x "
@@ -182,20 +162,13 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], checksum_ms:
     if args.write:
         from bench.overhead import write_section
 
-        write_section(args.write, "Pipeline parallel overhead (cpu)", text)
+        write_section(args.write, SECTION, text)
 
 
 def main() -> None:
     args = parse()
-    if "LOCAL_RANK" in os.environ:
+    if under_torchrun(__file__, 2, 29538):
         ranks(args)
-        return
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", "29538", str(Path(__file__)),
-           *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    sys.exit(subprocess.call(cmd, env=env))
 
 
 if __name__ == "__main__":

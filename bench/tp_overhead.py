@@ -18,10 +18,7 @@ rank 0 measured them; the ranks step in lockstep (every step has collectives).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,24 +27,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for bench.*
+
 import guard
+from bench.ranked import REAL, ROWS, arguments, interleaved, machine, under_torchrun
 from guard.demo.model import GPT, GPTConfig
 
-REAL, ROWS = 50257, 50304  # GPT-2's tokenizer, padded to a multiple of 64 x 2
+SECTION = "Tensor parallel overhead (cpu)"
 POLICY: dict[str, Any] = {"export": {"serve": None}}
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--block", type=int, default=128)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--write", type=Path, help="replace the 'Tensor parallel overhead (cpu)' "
-                   "section of this markdown file")
+    arguments(p, steps=20, section=SECTION)
     return p.parse_args()
 
 
@@ -77,21 +70,18 @@ def ranks(args: argparse.Namespace) -> None:
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in arms.items()}
     g = guard.attach(arms["guarded"], policy=POLICY, vocab_size=REAL, optimizer=opts["guarded"])
     combines = timed_combine(g)
-    times: dict[str, list[float]] = {n: [] for n in arms}
-    gen = torch.Generator().manual_seed(0)
-    for step in range(args.warmup + args.steps):
-        x, y = (torch.randint(0, REAL, (args.batch, args.block), generator=gen)
-                for _ in range(2))
-        for name, m in arms.items():
-            dist.barrier()
-            start = time.perf_counter()
+
+    def step(name: str) -> Any:
+        def one(x: torch.Tensor, y: torch.Tensor) -> None:
             with loss_parallel():
-                _, loss = m(x, y)
+                _, loss = arms[name](x, y)
                 loss.backward()
             opts[name].step()
             opts[name].zero_grad()
-            if step >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+
+        return one
+
+    times = interleaved(args, {name: step(name) for name in arms})
     g.detach()
     if dist.get_rank() == 0:
         report(args, times, combines[args.warmup:], g.stats)
@@ -121,11 +111,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], combines: li
     base = med["unguarded"]
     lines = ["| arm | median step (ms) | ratio vs unguarded |", "|---|---|---|"]
     lines += [f"| {n} | {v:.1f} | {v / base:.3f}x |" for n, v in med.items()]
-    load = os.getloadavg()[0]
-    header = (f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-              f"(load average {load:.1f} at the end); Python {platform.python_version()}, torch "
-              f"{torch.__version__}.\n\n"
-              f"Command: `python bench/tp_overhead.py --write docs/benchmarks.md` (TP "
+    header = (machine() + f"Command: `python bench/tp_overhead.py --write docs/benchmarks.md` (TP "
               f"{args.tp} on gloo, one thread a rank; {args.n_layer} layers, d={args.n_embd}, "
               f"batch {args.batch} x {args.block} tokens, vocab {REAL} real / {ROWS} rows, "
               f"{ROWS // args.tp} columns a rank; {args.steps} timed steps per arm after "
@@ -145,7 +131,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], combines: li
     if args.write:
         from bench.overhead import write_section
 
-        write_section(args.write, "Tensor parallel overhead (cpu)", text)
+        write_section(args.write, SECTION, text)
 
 
 def stats_positions(args: argparse.Namespace) -> int:
@@ -157,15 +143,8 @@ def stats_positions(args: argparse.Namespace) -> int:
 
 def main() -> None:
     args = parse()
-    if "LOCAL_RANK" in os.environ:
+    if under_torchrun(__file__, args.tp, 29531):
         ranks(args)
-        return
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.tp),
-           "--master-addr", "127.0.0.1", "--master-port", "29531", str(Path(__file__)),
-           *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    sys.exit(subprocess.call(cmd, env=env))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ class Probe:
         self._hidden: torch.Tensor | None = None
         self._head_called = False
         self._head: nn.Module | None = None  # the module holding the head's weight
+        self._head_hooked = False  # hooks on the head's output (the logits checks are on)
+        self._stage_loss = False  # g.loss_fn wraps a last stage's loss: the output goes there
         # Where the logits the loss sees come out: measured and masked there.
         self.site = LogitsSite(cfg, self.logits)
         self.fused: FusedHead | None = None  # a fused LM head handed the real rows (TRL)
@@ -124,6 +126,7 @@ class Probe:
     def stage_loss(self, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """A pipeline schedule's `loss_fn(output, target)` (the last stage's): the target
         checked as labels and the loss recorded, per micro-batch, in a training step."""
+        self._stage_loss = True
         return register(_stage_loss(self, fn))
 
     # -- hooks -------------------------------------------------------------------------------
@@ -144,7 +147,8 @@ class Probe:
         handles += self.ids.install(caller, model, heads.inputs)
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
-        if c.padding_mass or c.mask or c.nonfinite:
+        self._head_hooked = bool(c.padding_mass or c.mask or c.nonfinite)
+        if self._head_hooked:
             # Ahead of tensor parallel's own output hook, which may gather the logits or
             # hand out a local view autograd forbids masking in place: the head's DTensor.
             handles.append(hook(heads.lm_head, self._head_post, kind="forward",
@@ -189,6 +193,23 @@ class Probe:
             masked = self.site.at_part(found.columns, found.masked, found.real, module.training)
         return None if masked is None or masked is found.masked else found.put(masked)
 
+    def loss_input(self, output: Any) -> Any:
+        """A last stage's output as its loss_fn is given it, in a training forward: the
+        logits of a head whose forward hooks did not run (DeepSpeed calls a `TiedLayerSpec`
+        head through its `forward_fn`, past the module) measured and masked here, as the
+        head's hook does; else as given. An output that is no logits (a loss_fn computing a
+        fused loss from the head's weight): the final hidden states measured as a fused
+        head's."""
+        hidden, self._hidden = self._hidden, None  # kept past the forward for this call
+        if self._head_called or not self._head_hooked or self._head is None:
+            return output
+        if head_output(output, self.cfg.head_columns) is None:  # a fused loss_fn: not logits
+            if hidden is not None:
+                self.logits.measure_fused(hidden, self._head, masked=False)
+            return output
+        masked = self._head_post(self._head, (), output)
+        return output if masked is None else masked
+
     def _hidden_post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         if module.training and isinstance(out, torch.Tensor):
             self._hidden = out  # a reference: autograd keeps it alive anyway
@@ -210,12 +231,17 @@ class Probe:
             self.loss.record(loss)
         hidden, self._hidden = self._hidden, None
         if hidden is not None and not self._head_called and self._head is not None:
-            self.logits.measure_fused(hidden, self._head, masked=fused)
+            if self._stage_loss and not fused:  # the loss_fn next: its logits, if it has them
+                self._hidden = hidden
+            else:
+                self.logits.measure_fused(hidden, self._head, masked=fused)
 
 
 def _stage_loss(probe: Probe, fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     def guarded_loss_fn(output: Any, target: Any) -> Any:
         training = torch.is_grad_enabled() and not probe.inferring
+        if training:
+            output = probe.loss_input(output)
         loss = fn(output, probe.ids.target(target) if training else target)
         if training and isinstance(loss, torch.Tensor):
             probe.loss.record(loss, given=True)

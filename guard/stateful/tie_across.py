@@ -28,6 +28,7 @@ from guard.device.flags import Flags
 from guard.device.reading import Reading
 from guard.stateful.state import Attaching, CheckState
 from guard.stateful.vocab import TieState
+from guard.vocab.layout import placed
 from guard.vocab.stage import Stage
 
 __all__ = ["Copy", "TieAcrossState", "tie_state"]
@@ -75,8 +76,7 @@ class TieAcrossState(CheckState):
     def attach(cls, at: Attaching) -> TieAcrossState | None:
         stage = at.stage
         assert stage is not None
-        start = at.sizes.shard[0] if at.sizes.shard is not None else 0
-        weight, copy = _held(at, stage, start)
+        weight, copy = _held(at, stage)
         layout: list[Copy | None] = [None] * dist.get_world_size()
         dist.all_gather_object(layout, copy)  # every stage, tied or not
         every = [c for c in layout if c is not None]
@@ -143,15 +143,20 @@ class TieAcrossState(CheckState):
                 f"(ids {shown})")
 
 
-def _held(at: Attaching, stage: Stage, start: int) -> tuple[torch.Tensor | None, Copy]:
+def _held(at: Attaching, stage: Stage) -> tuple[torch.Tensor | None, Copy]:
     """This rank's copy: the embedding on a first stage, the head on a last one, when the
-    two are tied copies on two stages; none else."""
+    two are tied copies on two stages; none else. Its first row's global id: where its own
+    weight says (a vocab-parallel embedding on the first stage of a PP x TP mesh holds a
+    shard as the head does on the last), else the head's shard (`vocab_shard=`), else 0."""
     heads, where = at.heads, stage.name
+    start = at.sizes.shard[0] if at.sizes.shard is not None else 0
     if stage.tied and stage.embedding != stage.head:
         module = heads.embedding if stage.embedding else heads.head_holder
         name = heads.embedding_name if stage.embedding else heads.lm_head_name
         w = getattr(module, "weight", None)
         if isinstance(w, torch.Tensor):
+            shard = placed(module, name, at.model)
+            start = shard.start if shard is not None else start
             end = "embedding" if stage.embedding else "head"
             return w, Copy(end, start, int(w.shape[0]), f"{name}.weight", where)
     return None, Copy(None, start, 0, "", where)

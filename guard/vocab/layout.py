@@ -20,7 +20,7 @@ from guard.vocab.discover import Heads
 from guard.vocab.parallel import VocabShard, fsdp_managed, held_block, tp_dims
 from guard.vocab.sizes import shard_sizes
 
-__all__ = ["Layout", "layout_of"]
+__all__ = ["Layout", "layout_of", "placed"]
 
 # What a process group is, for the messages: the third element of vocab_shard=.
 _GROUP_HINT = ("vocab_shard=(start, end, tp_group), tp_group the torch.distributed process "
@@ -89,7 +89,9 @@ def _megatron_shard(module: nn.Module) -> VocabShard | None:
     return VocabShard(start, end, rows, degree, group, f"Megatron's {type(module).__name__}")
 
 
-def _placed(module: nn.Module, name: str, model: nn.Module) -> VocabShard | None:
+def placed(module: nn.Module, name: str, model: nn.Module) -> VocabShard | None:
+    """The shard of the vocab `module` holds as its own weight says (a DTensor split by rows
+    on a tensor-parallel mesh dim, Megatron's attributes); None: whole, or not said."""
     return _dtensor_shard(module, name, model) or _megatron_shard(module)
 
 
@@ -145,12 +147,12 @@ def layout_of(heads: Heads, model: nn.Module | None, vocab_shard: tuple[Any, ...
     """The layout of `heads` in `model`; `vocab_shard` and the policy's tensor-parallel degree
     are checked against what the head says of itself."""
     where = model if model is not None else heads.lm_head
-    head = _placed(heads.head_holder, heads.lm_head_name, where)
+    head = placed(heads.head_holder, heads.lm_head_name, where)
     if head is not None:
         _checked_against(head, vocab_shard, policy_tp, heads.lm_head_name)
     elif vocab_shard is not None:
         head = _given(vocab_shard, heads, policy_tp)
-    embedding = _placed(heads.embedding, heads.embedding_name, where)
+    embedding = placed(heads.embedding, heads.embedding_name, where)
     if embedding is not None and embedding.dtensor:
         embedding = None  # its rows are read in global numbers, as a whole weight's
     elif embedding is None and head is not None and head.source == "vocab_shard=" \

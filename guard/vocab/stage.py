@@ -11,6 +11,7 @@ end see nothing on this stage and read no rows; coverage counts only what the st
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from guard.vocab.discover import Heads, discover, weight_shape
 from guard.vocab.names import HEAD_NAMES
 from guard.vocab.sizes import pad_vocab_size
 
-__all__ = ["Absent", "Stage", "stage_heads", "stage_of"]
+__all__ = ["Absent", "Stage", "forward_fn_head", "stage_heads", "stage_of"]
 
 log = logging.getLogger("guard")
 
@@ -123,6 +124,9 @@ def stage_heads(model: nn.Module, *, embedding: nn.Module | None, lm_head: nn.Mo
         return discover(model, embedding=embedding, lm_head=lm_head), None
     if stage is None:
         stage = Stage(has_emb, has_head)
+    if stage.head and not has_head and lm_head is None:
+        lm_head = forward_fn_head(model)
+        has_head = lm_head is not None
     if tied is not None:
         stage = Stage(stage.embedding, stage.head, stage.index, stage.count, tied, stage.source)
     for end, holds, arg in (("embedding", has_emb, "embedding="), ("head", has_head,
@@ -147,6 +151,19 @@ def stage_heads(model: nn.Module, *, embedding: nn.Module | None, lm_head: nn.Mo
                       "<no head on this stage>")
     log.info("%s (from %s): checking %s", stage.name, stage.source, _checks(stage))
     return heads, stage
+
+
+def forward_fn_head(model: nn.Module) -> nn.Module | None:
+    """The head of DeepSpeed's last stage when it is a tied module called through a
+    `forward_fn` (`TiedLayerSpec(key, ..., forward_fn=...)` puts `partial(forward_fn, module)`
+    in the stage's `forward_funcs`): the last such module. Its forward hooks never run: the
+    guard measures and masks its logits where `g.loss_fn` is given them."""
+    calls = getattr(model, "forward_funcs", None)
+    if type(model).__name__ != "PipelineModule" or not isinstance(calls, list):
+        return None
+    found = [c.args[0] for c in calls if isinstance(c, functools.partial) and c.args
+             and isinstance(c.args[0], nn.Module)]
+    return found[-1] if found else None
 
 
 def _distributed() -> bool:

@@ -118,3 +118,49 @@ def test_in_one_process_a_module_without_a_head_is_a_model_missing_it() -> None:
             guard.attach(First(), policy=POLICY, vocab_size=REAL)
     finally:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+
+
+class LastPastTheHead(Last):
+    """A last stage whose logits come from the head's weight without calling the head, as
+    DeepSpeed calls a `TiedLayerSpec` head through its `forward_fn`: the head's hooks never
+    run."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(torch.tanh(self.block(h))), self.lm_head.weight)
+
+
+def test_logits_of_a_head_called_past_its_hooks_are_masked_at_the_loss_fn() -> None:
+    torch.manual_seed(0)
+    first, last = First(), LastPastTheHead()
+    with torch.no_grad():
+        last.lm_head.weight[REAL:] = torch.randn(ROWS - REAL, D) * 100  # garbage, kept out
+    x, y = torch.randint(0, REAL, (2, 8)), torch.randint(0, REAL, (2, 8))
+    with torch.no_grad():
+        real = _loss(last(first(x))[..., :REAL], y)
+    o2 = torch.optim.SGD(last.parameters(), lr=0.0)
+    pol = {**POLICY, "checks": {"padding_rows": {"action": "off"}}}
+    with guard.attach(last, policy=pol, vocab_size=REAL, optimizer=o2) as g2:
+        loss = g2.loss_fn(_loss)(last(first(x).detach()), y)
+        loss.backward()
+        o2.step()
+    assert float(loss.detach()) == pytest.approx(float(real), rel=1e-5)  # the real columns' loss
+    assert g2.stats["violations"] == {}  # the logits seen: not blind
+    assert last.lm_head.weight.grad is not None
+    assert float(last.lm_head.weight.grad[REAL:].abs().sum()) == 0.0
+
+
+def test_garbage_logits_of_a_head_called_past_its_hooks_stop_at_the_loss_fn() -> None:
+    torch.manual_seed(0)
+    first, last = First(), LastPastTheHead()
+    with torch.no_grad():
+        last.lm_head.weight[REAL:] = torch.randn(ROWS - REAL, D) * 100
+    o2 = torch.optim.SGD(last.parameters(), lr=0.1)
+    pol = {**POLICY, "checks": {"padding_rows": {"action": "off"},
+                                "padding_mass": {"action": "fail"}}}
+    with guard.attach(last, policy=pol, vocab_size=REAL, optimizer=o2) as g2:
+        x, y = torch.randint(0, REAL, (2, 8)), torch.randint(0, REAL, (2, 8))
+        before = last.lm_head.weight.detach().clone()
+        with pytest.raises(guard.GuardViolation) as e:
+            _step(first, last, g2, x, y, [o2])
+    assert (e.value.check, e.value.step) == ("padding_mass", 1)
+    assert torch.equal(before, last.lm_head.weight)

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -347,6 +348,16 @@ def nan_gradient(wrap: str, fused: bool = False) -> dict[str, Any]:
 
 FSDP2_CHECKS = {"padding_rows": padding_rows_under_fsdp2, "mask": mask_under_fsdp2,
                 "nonfinite": nonfinite_under_fsdp2, "untrained": untrained_under_fsdp2}
+
+
+def recorded(case: Callable[[Any], dict[str, Any]], run: Any) -> dict[str, Any]:
+    """A case's results on `run`, or the error it raised (the test then fails on that case
+    alone, unless the error left another rank waiting in a collective: the launch's
+    timeout)."""
+    try:
+        return case(run)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def finish(out: Path, rank: int, result: Any) -> NoReturn:

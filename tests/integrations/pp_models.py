@@ -111,3 +111,24 @@ def batch(step: int, *, ghost: bool = False) -> tuple[torch.Tensor, torch.Tensor
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> Any:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def vocab_parallel(model: GPT, mesh: Any) -> GPT:
+    """A stage's ends split over `mesh` (the "tp" dim of a pipeline x tensor-parallel mesh),
+    torchtitan's plan: the embedding `RowwiseParallel` (vocab-parallel rows, global ids in,
+    its output replicated), the head `ColwiseParallel` with its logits a DTensor sharded on
+    the vocab (for `loss_parallel`); the blocks replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan: dict[str, Any] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, plan)
+    return model

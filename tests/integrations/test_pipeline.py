@@ -20,14 +20,20 @@ SCHEDULES = ("gpipe", "1f1b")
 TIMEOUT_S = 300  # two schedules x four cases on two loaded CPU cores; a hang is killed
 
 
-def launch(tmp: Path, mode: str, nproc: int) -> list[dict[str, Any]]:
-    return run_ranks_with(tmp, ["--rdzv-id", RUN_ID, str(WORKER), str(tmp), mode], None,
-                          TIMEOUT_S, nproc=nproc)
+def launched(mode: str, nproc: int) -> Any:
+    """A module fixture: every rank's results of pp_worker.py's `mode`, one launch on `nproc`
+    ranks."""
+
+    @pytest.fixture(scope="module")
+    def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+        out = tmp_path_factory.mktemp(mode)
+        return run_ranks_with(out, ["--rdzv-id", RUN_ID, str(WORKER), str(out), mode], None,
+                              TIMEOUT_S, nproc=nproc)
+
+    return ranks
 
 
-@pytest.fixture(scope="module")
-def pp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch(tmp_path_factory.mktemp("pp2"), "pp2", 2)
+pp2, tie, pp3 = launched("pp2", 2), launched("tie", 2), launched("pp3", 3)
 
 
 def cases(ranks: list[dict[str, Any]], schedule: str, case: str) -> list[dict[str, Any]]:
@@ -52,22 +58,28 @@ def test_a_healthy_pipeline_is_quiet_on_every_stage(pp2: list[dict[str, Any]],
     assert last["stats_loss"] == pytest.approx(last["losses"][-1])  # the micro-batches' mean
 
 
+def assert_garbage_stops(res: dict[str, Any], holder: int) -> None:
+    """Garbage padding rows held by rank `holder`: attach stops (padding_rows), and with the
+    rows left alone and no mask, step 1 before any update (padding_mass), each named as
+    that rank names it, on every rank of every stage."""
+    rows = res["rows"]
+    assert (rows["check"], rows["step"], rows["rank"]) == ("padding_rows", 0, holder)
+    assert rows["message"].startswith(
+        f"padding_rows on rank {holder} at step 0: rows [{REAL}, {ROWS}) of output.weight:")
+    mass = res["mass"]
+    assert mass["raised_at"] == 1 and mass["unchanged"]
+    v = mass["violation"]
+    assert (v["check"], v["step"], v["rank"]) == ("padding_mass", 1, holder)
+    assert f"on the {ROWS - REAL} padding columns [{REAL}, {ROWS})" in v["message"]
+
+
 @pytest.mark.slow
 @DIST
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_garbage_padding_rows_in_the_head_stop_every_stage(pp2: list[dict[str, Any]],
                                                            schedule: str) -> None:
     for res in cases(pp2, schedule, "garbage"):
-        rows = res["rows"]  # at attach: the last stage holds them; both stages stop
-        assert (rows["check"], rows["step"], rows["rank"]) == ("padding_rows", 0, 1)
-        # Named as the stage that holds them names them, on the first stage too.
-        assert rows["message"].startswith(
-            f"padding_rows on rank 1 at step 0: rows [{REAL}, {ROWS}) of output.weight:")
-        mass = res["mass"]  # rows left alone, no mask: step 1, before any update
-        assert mass["raised_at"] == 1 and mass["unchanged"]
-        v = mass["violation"]
-        assert (v["check"], v["step"], v["rank"]) == ("padding_mass", 1, 1)
-        assert f"on the {ROWS - REAL} padding columns [{REAL}, {ROWS})" in v["message"]
+        assert_garbage_stops(res, 1)  # the last stage holds them; the first stops too
 
 
 @pytest.mark.slow
@@ -96,11 +108,6 @@ def test_a_ghost_input_id_on_the_first_stage_stops_every_stage(pp2: list[dict[st
         assert v["message"].startswith("token_range on rank 0 at step 2: 1 input id outside")
         assert f"input ids {REAL + 3} at [1, 2]" in v["message"]
     assert first["out_of_range"] == {"input": 1, "label": 0}
-
-
-@pytest.fixture(scope="module")
-def tie(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch(tmp_path_factory.mktemp("tie"), "tie", 2)
 
 
 @pytest.mark.slow
@@ -139,9 +146,20 @@ def test_untrained_rows_on_each_end_are_repaired_on_their_stage(
         first["message"]
 
 
-@pytest.fixture(scope="module")
-def pp3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch(tmp_path_factory.mktemp("pp3"), "pp3", 3)
+def assert_nan_born_on(res: dict[str, Any], layer: int, stage: str) -> None:
+    """Quiet when healthy; at step 2 a NaN born in the backward of `layer`'s MLP stops every
+    stage before its update, named by that layer's parameter latest in the forward (the
+    MLP's output Linear), then the rest of its stage's and the stages' below; the last
+    stage's gradients are finite."""
+    assert res["healthy"] == {"violations": {}, "logged": []}
+    nan = res["nan"]
+    assert nan["raised_at"] == 2 and nan["unchanged"]
+    v = nan["violation"]
+    assert (v["check"], v["step"]) == ("nonfinite", 2)
+    assert (f"so it was born in the backward: the gradients of layers.{layer}.mlp.2.bias, "
+            f"layers.{layer}.mlp.2.weight, layers.{layer}.mlp.0.bias") in v["message"]
+    assert f"born on {stage}, the last stage whose" in v["message"]
+    assert "output.weight" not in v["message"]
 
 
 @pytest.mark.slow
@@ -149,17 +167,5 @@ def pp3(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_a_nan_born_in_a_middle_stage_backward_is_named_there(
         pp3: list[dict[str, Any]]) -> None:
     for res in cases(pp3, "gpipe", "nan_middle"):
-        # Three stages, the middle one holding neither end: quiet when healthy.
-        assert res["healthy"] == {"violations": {}, "logged": []}
-        nan = res["nan"]
-        assert nan["raised_at"] == 2 and nan["unchanged"]  # every stage, before its update
-        v = nan["violation"]
-        assert (v["check"], v["step"]) == ("nonfinite", 2)
-        # Named first: the middle stage's parameter latest in its forward (the MLP's output
-        # Linear), then the rest of that stage's and the first stage's; the last stage's
-        # gradients are finite.
-        assert ("so it was born in the backward: the gradients of layers.1.mlp.2.bias, "
-                "layers.1.mlp.2.weight, layers.1.mlp.0.bias") in v["message"]
-        assert "born on pipeline stage 1 of 3 (neither end), the last stage whose" in \
-            v["message"]
-        assert "output.weight" not in v["message"]
+        # Three stages, the middle one holding neither end.
+        assert_nan_born_on(res, 1, "pipeline stage 1 of 3 (neither end)")

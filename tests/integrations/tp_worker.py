@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import guard
 from guard.checks.padding_mass import bound
 from guard.policy import Policy
-from tests.integrations.dist_worker import Logged, finish, violation
+from tests.integrations.dist_worker import Logged, finish, recorded, violation
 from tests.integrations.tp_checks import HAND
 from tests.integrations.tp_models import REAL, TinyLM, batch, full_weights, real_vocab, rows_for
 
@@ -248,15 +248,6 @@ def attach_calls(run: Run) -> dict[str, Any]:
         except guard.AttachError as e:
             out[name] = {"error": str(e)}
     return out
-
-
-def recorded(case: Callable[[Run], dict[str, Any]], run: Run) -> dict[str, Any]:
-    """The case's results, or the error it raised (the test then fails on that case alone,
-    unless the error left another rank waiting in a collective: the launch's timeout)."""
-    try:
-        return case(run)
-    except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"}
 
 
 CASES = {"healthy": healthy, "garbage": garbage, "mask": mask, "ghost": ghost, "nan": nan}
