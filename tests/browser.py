@@ -52,7 +52,10 @@ class Chromium:
                                     "scripts/bootstrap --dev installs it)")
         self.timeout_s = timeout_s
         self.log: list[dict[str, Any]] = []
-        self._profile = tempfile.TemporaryDirectory(prefix="guard-chromium-")
+        # Chromium's helper processes may still write into the profile for a moment after the
+        # browser exits: what they leave is not the test's failure.
+        self._profile = tempfile.TemporaryDirectory(prefix="guard-chromium-",
+                                                    ignore_cleanup_errors=True)
         to_browser, self._write = os.pipe()
         self._read, from_browser = os.pipe()
 

@@ -147,7 +147,7 @@ class Probe:
         handles += self.ids.install(caller, model, heads.inputs)
         if c.nonfinite:
             handles.append(hook(heads.lm_head, self._head_pre, kind="forward_pre"))
-        self._head_hooked = bool(c.padding_mass or c.mask or c.nonfinite)
+        self._head_hooked = c.padding_mass or c.mask or c.nonfinite  # config flags, no tensor
         if self._head_hooked:
             # Ahead of tensor parallel's own output hook, which may gather the logits or
             # hand out a local view autograd forbids masking in place: the head's DTensor.

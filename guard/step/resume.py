@@ -53,8 +53,10 @@ class Resumable:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on as if never stopped: the step, the loss-spike
         window, the running totals; plain data, saved with the checkpoint. A lagged read still
-        queued is read first (a fail in it raises here, as at the next read)."""
-        self._clock.settle()
+        queued is read first (a fail in it raises here, as at the next read), unless this guard
+        stopped the run already: a halted guard's state is what it had when it raised."""
+        if self._record.halted is None:
+            self._clock.settle()
         state: dict[str, Any] = {
             "version": VERSION, "step": self._clock.step, "rank": self._record.rank,
             "vocab": {"real": self._sizes.real, "rows": self._sizes.rows},
