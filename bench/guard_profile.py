@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--n-head", type=int, default=2)
     p.add_argument("--mask", action="store_true", help="bench/overhead.py's mask arm's policy")
+    p.add_argument("--ops", action="store_true",
+                   help="under each guard function, its aten ops and their ms a step")
     args = p.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -85,6 +87,7 @@ def main() -> None:
             step()
     g.detach()
     parts: collections.Counter[str] = collections.Counter()
+    ops: collections.Counter[tuple[str, str]] = collections.Counter()
     total = 0.0
     for event in prof.events():
         if not event.name.startswith("aten::"):  # Python frames and annotations: no work
@@ -93,6 +96,7 @@ def main() -> None:
         where = charged(event)
         if where is not None:
             parts[where] += event.self_cpu_time_total
+            ops[where, event.name] += event.self_cpu_time_total
     per_step = {k: v / args.steps / 1e3 for k, v in parts.items()}
     print(f"guard {guard.__file__}; {torch.get_num_threads()} threads; vocab {args.real} real "
           f"/ {args.rows} rows; batch {args.batch} x {args.block}")
@@ -102,6 +106,9 @@ def main() -> None:
     for where, ms in sorted(per_step.items(), key=lambda kv: -kv[1]):
         if ms >= 0.05:
             print(f"| `{where}` | {ms:.2f} |")
+            for (at, op), us in sorted(ops.items(), key=lambda kv: -kv[1]):
+                if args.ops and at == where and us / args.steps >= 20:
+                    print(f"| &nbsp;&nbsp;`{op}` | {us / args.steps / 1e3:.2f} |")
 
 
 if __name__ == "__main__":

@@ -101,8 +101,8 @@ class Logits:
         c = self.cfg
         flat = logits.reshape(-1, c.columns)  # (tokens, columns); a view for contiguous logits
         # The mask goes on after the measure.
-        self._reduce(self._with_hottest(flat, self._sample(flat)), masked=c.mask,
-                     forward=flat.shape[0])
+        self._reduce(self._sample(flat), masked=c.mask, forward=flat.shape[0],
+                     hottest=self._hottest(flat))
         if c.nonfinite and not c.exact and logits.dtype == torch.float16:
             # float16 logits can overflow at single (position, column) pairs the sample misses;
             # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
@@ -138,19 +138,22 @@ class Logits:
             # is masked only where it was handed the real rows.
             self._reduce(logits, masked=masked, forward=states.shape[0])
 
-    def _with_hottest(self, flat: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
-        """The sample and the HOTTEST positions of largest padding logit, chosen on the device
-        (no read): in a tied model each position's own token gives it a large real logit, so
-        garbage padding rows win most positions but not all, and a small forward's one or two
-        strided positions can miss them all. The hottest is where the garbage is worst."""
+    def _hottest(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The HOTTEST positions of largest padding logit, (HOTTEST, columns), chosen on the
+        device (no read), measured beside the sample: in a tied model each position's own
+        token gives it a large real logit, so garbage padding rows win most positions but not
+        all, and a small forward's one or two strided positions can miss them all. The
+        hottest is where the garbage is worst. None where the sample is every position or
+        there is no padding mass to measure. Not concatenated to the sample: that copy of the
+        sample's rows cost more than the two rows' own reduction (docs/benchmarks.md)."""
         c = self.cfg
         n = flat.shape[0]
         if (c.exact or not c.padding_mass or self.sharded is not None
-                or c.real_columns >= c.columns or sample.shape[0] >= n):
-            return sample
+                or c.real_columns >= c.columns
+                or sample_size(n, c.sample_tokens) >= n):
+            return None
         hot = flat[:, c.real_columns:].amax(dim=-1)  # (n,): a padding-columns read only
-        idx = hot.topk(min(HOTTEST, n)).indices
-        return torch.cat([sample, flat.index_select(0, idx)])
+        return flat.index_select(0, hot.topk(min(HOTTEST, n)).indices)
 
     def _sample(self, flat: torch.Tensor) -> torch.Tensor:
         """(k, ...) of (tokens, ...): every position with `exact`, else `sample_size` of them,
@@ -166,23 +169,25 @@ class Logits:
             return sample_positions_at(flat, k, self._offset)  # the same ones
         return sample_positions(flat, k, self._step)
 
-    def _scratch(self, positions: torch.Tensor, per_chunk: int) -> torch.Tensor | None:
-        """The buffer each chunk's exp(x - max) is formed in, kept from forward to forward: on
-        the CPU only (ops.CPU_CHUNK_ELEMENTS says why), and not under torch.compile, whose
-        compiler owns the buffers."""
+    def _scratch(self, positions: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """The buffer each chunk's exp(x - max) is formed in, `rows` positions at most at
+        once, kept from forward to forward: on the CPU only (ops.CPU_CHUNK_ELEMENTS says why),
+        and not under torch.compile, whose compiler owns the buffers."""
         if positions.device.type != "cpu" or compiling():
             return None
         dtype = reduction_dtype(positions)
-        size = min(per_chunk, positions.shape[0]) * self.cfg.real_columns
+        size = rows * self.cfg.real_columns
         held = self._buffer
         if held is None or held.dtype != dtype or held.numel() < size:
             held = self._buffer = torch.empty(size, dtype=dtype)
         return held
 
-    def _reduce(self, positions: torch.Tensor, *, masked: bool, forward: int) -> None:
+    def _reduce(self, positions: torch.Tensor, *, masked: bool, forward: int,
+                hottest: torch.Tensor | None = None) -> None:
         """Padding mass and non-finite counts of (n, columns) sampled logits of a forward of
-        `forward` positions; the real columns in chunks. `masked`: the loss sees these logits
-        with the padding masked (no padding mass)."""
+        `forward` positions, and of the `hottest` rows beside them; the real columns in
+        chunks. `masked`: the loss sees these logits with the padding masked (no padding
+        mass)."""
         c, f = self.cfg, self.flags
         real = c.real_columns
         if positions.shape[0] == 0:  # an empty batch: nothing seen, nothing to count
@@ -191,7 +196,7 @@ class Logits:
             per_chunk = chunk_positions(c.columns, positions.device, forward)
             with nullcontext() if c.exact else one_thread(positions.device):
                 parts = shard_parts(positions, real, per_chunk,
-                                    self._scratch(positions, per_chunk))
+                                    self._scratch(positions, min(per_chunk, len(positions))))
             self.sharded.add(parts, masked=masked)
             if c.nonfinite:  # this rank's columns: a NaN is named where it is
                 f.put(nonfinite.LOGITS, nonfinite_count(parts[0]))
@@ -201,8 +206,14 @@ class Logits:
             # A sample is a 32nd of the forward: one thread does it without waiting on
             # others (ops.one_thread); every position (exact) is worth the threads.
             with nullcontext() if c.exact else one_thread(positions.device):
+                at_once = min(per_chunk, len(positions))
+                scratch = self._scratch(positions, at_once if hottest is None else
+                                        max(at_once, len(hottest)))
                 mass, lse_real = padding_mass_parts(positions, real, per_chunk=per_chunk,
-                                                    scratch=self._scratch(positions, per_chunk))
+                                                    scratch=scratch)
+                if hottest is not None:
+                    hot_mass, hot_lse = padding_mass_parts(hottest, real, scratch=scratch)
+                    mass, lse_real = torch.cat([mass, hot_mass]), torch.cat([lse_real, hot_lse])
             # A NaN mass means NaN on the padding columns: count it as all the mass.
             mass = torch.nan_to_num(mass, nan=1.0)  # (n,)
             f.put(padding_mass.SUM, mass.sum())
@@ -217,7 +228,7 @@ class Logits:
         else:
             lse_real = positions[:, :real].sum(dim=-1, dtype=torch.float32)  # (n,)
         if c.padding_mass:
-            f.put(padding_mass.COUNT, positions.shape[0])
+            f.put(padding_mass.COUNT, lse_real.shape[0])
         if c.nonfinite:
             # Positions with a NaN or +Inf among the real-vocab logits make the position's
             # logsumexp (or sum) non-finite: counted per position, from values already reduced.

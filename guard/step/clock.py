@@ -192,14 +192,8 @@ class StepClock:
         self._read_step = self.step
         if reading is None:
             return False
-        try:
-            return self._reader.read(reading, step, when="step", now=self.step,
-                                     in_step=in_step and not lagged, closure=closure,
-                                     dropped=self.skip is not None)
-        except GuardViolation:
-            if self.skip is not None:
-                self.skip.clear()
-            raise
+        return self._read_at_step(reading, step, in_step=in_step and not lagged,
+                                  closure=closure)
 
     def settle(self) -> None:
         """Before a checkpoint's state is taken: the lagged read still queued (the last step's
@@ -208,14 +202,21 @@ class StepClock:
         queued = self._device.flush()
         if queued is None:
             return
+        self._read_at_step(queued, self._read_step)
+        self._read_step = self.step
+
+    def _read_at_step(self, reading: Reading, step: int, *, in_step: bool = False,
+                      closure: bool = False) -> bool:
+        """A step boundary's read of the window ending at `step`; True: drop this update. A
+        fail stops the device-side skips it set (the run ends at the raise)."""
         try:
-            self._reader.read(queued, self._read_step, when="step", now=self.step,
-                              dropped=self.skip is not None)
+            return self._reader.read(reading, step, when="step", now=self.step,
+                                     in_step=in_step, closure=closure,
+                                     dropped=self.skip is not None)
         except GuardViolation:
             if self.skip is not None:
                 self.skip.clear()
             raise
-        self._read_step = self.step
 
     def finish(self, *, raise_late: bool = False) -> None:
         """At detach: the readings still unread, read locally (one rank may detach alone,
