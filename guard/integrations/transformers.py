@@ -28,7 +28,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,7 +40,6 @@ from guard.errors import AttachError
 from guard.integrations.common import GuardedTraining
 from guard.integrations.reference import reference_of
 from guard.integrations.smoothing import RealColumnsSmoother, refused
-from guard.override import Override, override
 
 __all__ = ["GuardCallback", "PaddingMaskLogitsProcessor", "guard_trainer"]
 
@@ -90,9 +89,8 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
 
     _logged_at: int | None = None  # global_step of the last logs given the figures; None: off
     _trainer: Trainer | None = None  # given by guard_trainer
-    # The Trainer's compute_loss_func wrapped (_feed_loss), its label_smoother replaced.
-    _wrapped: Override | None = None
-    _smoother: Override | None = None
+    _wrapped: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # see _feed_loss
+    _smoother: tuple[Any, RealColumnsSmoother] | None = None  # the Trainer's, and ours
     _reference: guard.FrozenMask | None = None  # on TRL's ref_model, until release()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
@@ -126,9 +124,9 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
                          loss_shares="sum" if sums else "last", loss_scale=scale)
         if trainer is not None and smoother is not None and self.vocab_shard is None:
             # Over the real columns; the labels and the loss, which the model never sees, to g.
-            # Duck-typed: the Trainer only calls it.
-            self._smoother = override(trainer, "label_smoother",
-                                      RealColumnsSmoother(smoother, g.real, g))
+            ours = RealColumnsSmoother(smoother, g.real, g)
+            cast(Any, trainer).label_smoother = ours  # duck-typed: the Trainer only calls it
+            self._smoother = (smoother, ours)
         self._mask_reference(g.real)
         self._logged_at = -1
         self._resume(g, state)
@@ -210,16 +208,23 @@ class GuardCallback(GuardedTraining, TrainerCallback, ExportableState):
                 g.step(loss)  # with the optimizer as the boundary: only records the loss
             return loss
 
-        self._wrapped = override(trainer, "compute_loss_func", fed)
+        trainer.compute_loss_func = fed
+        self._wrapped = (loss_func, fed)
 
     def _detach(self, *, keep_mask: bool = False, raise_late: bool = False) -> None:
-        # The original compute_loss_func and label_smoother back with the guard's detach
-        # (train end, the next train() after one that raised), unless something replaced the
-        # guard's since.
-        for swapped in (self._wrapped, self._smoother):
-            if swapped is not None:
-                swapped.remove()
-        self._wrapped = self._smoother = None
+        # The original compute_loss_func back with the guard's detach (train end, the next
+        # train() after one that raised), unless something replaced the wrapper since.
+        if self._wrapped is not None and self._trainer is not None:
+            loss_func, fed = self._wrapped
+            if self._trainer.compute_loss_func is fed:
+                self._trainer.compute_loss_func = loss_func
+        self._wrapped = None
+        held: Any = self._trainer
+        if self._smoother is not None and held is not None:
+            smoother, ours = self._smoother
+            if held.label_smoother is ours:
+                held.label_smoother = smoother
+        self._smoother = None
         super()._detach(keep_mask=keep_mask, raise_late=raise_late)
 
 
