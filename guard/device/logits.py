@@ -74,7 +74,7 @@ class ProbeConfig:
         )
 
 
-# Positions of largest padding logit added to every sample (Logits._with_hottest).
+# Positions of largest padding logit added to every sample (Logits._hottest).
 HOTTEST = 2
 
 
