@@ -101,8 +101,9 @@ class Logits:
         c = self.cfg
         flat = logits.reshape(-1, c.columns)  # (tokens, columns); a view for contiguous logits
         # The mask goes on after the measure.
-        self._reduce(self._sample(flat), masked=c.mask, forward=flat.shape[0],
-                     hottest=self._hottest(flat))
+        sample = self._sample(flat)
+        self._reduce(sample, masked=c.mask, forward=flat.shape[0],
+                     hottest=self._hottest(flat, sample))
         if c.nonfinite and not c.exact and logits.dtype == torch.float16:
             # float16 logits can overflow at single (position, column) pairs the sample misses;
             # float32 / bfloat16 cannot without a non-finite input or weight, which the hidden
@@ -138,7 +139,7 @@ class Logits:
             # is masked only where it was handed the real rows.
             self._reduce(logits, masked=masked, forward=states.shape[0])
 
-    def _hottest(self, flat: torch.Tensor) -> torch.Tensor | None:
+    def _hottest(self, flat: torch.Tensor, sample: torch.Tensor) -> torch.Tensor | None:
         """The HOTTEST positions of largest padding logit, (HOTTEST, columns), chosen on the
         device (no read), measured beside the sample: in a tied model each position's own
         token gives it a large real logit, so garbage padding rows win most positions but not
@@ -149,8 +150,7 @@ class Logits:
         c = self.cfg
         n = flat.shape[0]
         if (c.exact or not c.padding_mass or self.sharded is not None
-                or c.real_columns >= c.columns
-                or sample_size(n, c.sample_tokens) >= n):
+                or c.real_columns >= c.columns or sample.shape[0] >= n):
             return None
         hot = flat[:, c.real_columns:].amax(dim=-1)  # (n,): a padding-columns read only
         return flat.index_select(0, hot.topk(min(HOTTEST, n)).indices)
@@ -169,14 +169,17 @@ class Logits:
             return sample_positions_at(flat, k, self._offset)  # the same ones
         return sample_positions(flat, k, self._step)
 
-    def _scratch(self, positions: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """The buffer each chunk's exp(x - max) is formed in, `rows` positions at most at
-        once, kept from forward to forward: on the CPU only (ops.CPU_CHUNK_ELEMENTS says why),
-        and not under torch.compile, whose compiler owns the buffers."""
+    def _scratch(self, positions: torch.Tensor, per_chunk: int,
+                 also: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The buffer each chunk's exp(x - max) is formed in (and `also`'s rows, reduced at
+        once through it), kept from forward to forward: on the CPU only
+        (ops.CPU_CHUNK_ELEMENTS says why), and not under torch.compile, whose compiler owns
+        the buffers."""
         if positions.device.type != "cpu" or compiling():
             return None
         dtype = reduction_dtype(positions)
-        size = rows * self.cfg.real_columns
+        rows = min(per_chunk, positions.shape[0])
+        size = max(rows, 0 if also is None else also.shape[0]) * self.cfg.real_columns
         held = self._buffer
         if held is None or held.dtype != dtype or held.numel() < size:
             held = self._buffer = torch.empty(size, dtype=dtype)
@@ -196,7 +199,7 @@ class Logits:
             per_chunk = chunk_positions(c.columns, positions.device, forward)
             with nullcontext() if c.exact else one_thread(positions.device):
                 parts = shard_parts(positions, real, per_chunk,
-                                    self._scratch(positions, min(per_chunk, len(positions))))
+                                    self._scratch(positions, per_chunk))
             self.sharded.add(parts, masked=masked)
             if c.nonfinite:  # this rank's columns: a NaN is named where it is
                 f.put(nonfinite.LOGITS, nonfinite_count(parts[0]))
@@ -206,9 +209,7 @@ class Logits:
             # A sample is a 32nd of the forward: one thread does it without waiting on
             # others (ops.one_thread); every position (exact) is worth the threads.
             with nullcontext() if c.exact else one_thread(positions.device):
-                at_once = min(per_chunk, len(positions))
-                scratch = self._scratch(positions, at_once if hottest is None else
-                                        max(at_once, len(hottest)))
+                scratch = self._scratch(positions, per_chunk, hottest)
                 mass, lse_real = padding_mass_parts(positions, real, per_chunk=per_chunk,
                                                     scratch=scratch)
                 if hottest is not None:
