@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from guard.checks import Slot, watching
 from guard.checks.spec import Setup
+from guard.device.compile import compiling
 from guard.device.reading import LAYOUT, Layout, Reading
 from guard.policy import Policy
 
@@ -45,6 +46,7 @@ class Flags:
                  rank: int = 0, layout: Layout = LAYOUT) -> None:
         self.layout = layout
         self.t = torch.zeros(len(layout), dtype=_dtype_for(device), device=device)
+        self._views: tuple[torch.Tensor, ...] | None = None  # t's slots (`_slot`)
         # Per slot, the value above which it is a violation; inf: a figure, never crossed.
         limits = [float("inf")] * len(layout)
         for slot, value in (over or {}).items():
@@ -75,14 +77,29 @@ class Flags:
         """Move to `device` when the model moved after attach (a copy, never a host read)."""
         if device != self.t.device:
             self.t = self.t.to(device=device, dtype=_dtype_for(device))
+            self._views = None
             self.thresholds = self.thresholds.to(device=device, dtype=self.t.dtype)
             self._marks, self._blind = self._marks.to(device), self._blind.to(device)
 
     # -- writers, inside hooks: device ops only -----------------------------------------------
 
+    def _slot(self, slot: Slot) -> torch.Tensor:
+        """The 0-dim view of `slot` in t, made once for every slot (one unbind) while t stays
+        the same tensor: a put or a mark is then one op, not two. In context, between the
+        model's large ops, each small op costs 10-20 us of host time, and the puts were a
+        fifth of the guard's ops a step (docs/benchmarks.md). Traced, a fresh view: cached
+        views would be graph inputs aliasing t."""
+        if compiling():
+            return self.t[self.layout.index[slot]]
+        if self._views is None:
+            # Made outside inference mode: a view made inside it can't be written outside.
+            with torch.inference_mode(False):
+                self._views = self.t.unbind(0)
+        return self._views[self.layout.index[slot]]
+
     def put(self, slot: Slot, value: torch.Tensor | float) -> None:
         """Accumulate `value` into `slot` as the slot reduces: add, max, or overwrite."""
-        view = self.t[self.layout.index[slot]]
+        view = self._slot(slot)
         if not isinstance(value, torch.Tensor):  # a host number: the sample's size, a mark
             if slot.reduce == "sum":
                 view.add_(value)
@@ -109,12 +126,12 @@ class Flags:
 
     def at_least(self, slot: Slot, value: torch.Tensor) -> None:
         """At least `value` in `slot`: a detection, not a count (max, whatever the slot)."""
-        view = self.t[self.layout.index[slot]]
+        view = self._slot(slot)
         torch.maximum(view, self._accept(value), out=view)
 
     def mark(self, slot: Slot) -> None:
         """This step's data reached the guard (a device write: fine under torch.compile)."""
-        self.t[self.layout.index[slot]].fill_(1.0)
+        self._slot(slot).fill_(1.0)
 
     def end_step(self) -> None:
         """At a step boundary: count the marks the step did not set, and start the next one."""

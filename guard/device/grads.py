@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from guard.checks import grads, nonfinite
 from guard.device.flags import Flags
-from guard.device.ops import one_thread
+from guard.device.ops import not_finite, one_thread
 from guard.device.zero_grads import is_zero, owner, partition_grad, zero_group
 from guard.tensors import dtensor_of
 
@@ -151,7 +151,7 @@ class GradNorms:
             self._read = None if mine is None or group is not None or ds is not None else \
                 ({id(g): (weakref.ref(g), g._version, j) for j, g in enumerate(grads_)}, mine)
             n = parts[0] if len(parts) == 1 else torch.cat(parts)  # (k,)
-            bad = torch.isfinite(n).logical_not()
+            bad = not_finite(n)
             if scaled:
                 f.put(grads.SKIPPED, bad.any())
                 f.put(grads.WATCHED, 1.0)
@@ -164,8 +164,10 @@ class GradNorms:
             top = square.nan_to_num(nan=torch.inf).argmax()
             self._square, self._group = square.sum(), group
             # The last step's figures, in one write (a NaN share is no figure: the record's).
-            f.overwrite(_FIGURES, torch.stack([self._one, self._square.sqrt(), which[top],
-                                                square[top] / self._square]))
+            # take(): one op each, where indexing with a 0-dim tensor reads it to the host
+            # on the CPU (an item() and a select).
+            f.overwrite(_FIGURES, torch.stack([self._one, self._square.sqrt(), which.take(top),
+                                                square.take(top) / self._square]))
 
     def _norms(self, grads_: list[torch.Tensor], unscale: float) -> torch.Tensor:
         """(k,) float32 on the flags' device: the gradients the clip did not measure."""

@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from guard.checks import coverage, token_range
+from guard.device.compile import compiling
 from guard.device.dtensors import local, rewrap
 from guard.device.flags import Flags
 from guard.device.hooks import Handle, hook
 from guard.device.labels import LabelsArg
 from guard.device.logits import ProbeConfig
-from guard.device.ops import out_of_range_parts, within_rows
+from guard.device.ops import flat_positions, out_of_range_parts, within_rows
 from guard.device.watched import Watched
 from guard_server.wire import ID_KINDS, IdKind
 
@@ -34,6 +35,7 @@ class IdHooks:
         # Per kind of id, whether a state counts it (none: the hook asks nothing of them).
         self._counted = {k: states is not None and states.watches(k) for k in ID_KINDS}
         self.labels_arg = LabelsArg(None, "forward")  # set at install, from the model
+        self._positions: torch.Tensor | None = None  # `_held_positions`
 
     def install(self, caller: nn.Module, model: nn.Module,
                 inputs: Sequence[nn.Module]) -> list[Handle]:
@@ -119,10 +121,22 @@ class IdHooks:
                                              negative=False))
 
     def _out_of_range(self, kind: IdKind, ids: torch.Tensor, ignore_index: int | None) -> None:
-        n, negative, top = out_of_range_parts(ids, self.cfg.real, ignore_index)
+        n, negative, top = out_of_range_parts(ids, self.cfg.real, ignore_index,
+                                              self._held_positions(ids))
         f = self.flags
         f.put(token_range.SLOTS[kind], n)
         if kind == "label":
             f.put(token_range.NEGATIVE, negative)
         f.put(token_range.TOP[kind], top)
         f.put(token_range.WIDTH[kind], ids.shape[-1] if ids.dim() else 0)
+
+    def _held_positions(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The flat positions of `ids`' keys, kept from forward to forward (the largest
+        forward's, sliced): two small ops a check fewer. None under torch.compile (made in
+        the graph, where the compiler fuses them)."""
+        if compiling():
+            return None
+        held = self._positions
+        if held is None or held.device != ids.device or held.numel() < ids.numel():
+            held = self._positions = flat_positions(ids.numel(), ids.device)
+        return held

@@ -33,7 +33,7 @@ from guard.checks import loss_spike as spike_check
 from guard.device.compile import compiling
 from guard.device.dtensors import local
 from guard.device.flags import Flags
-from guard.device.ops import nonfinite_count
+from guard.device.ops import nonfinite_count, not_finite
 from guard.errors import AttachError
 from guard.policy import Policy
 
@@ -72,7 +72,7 @@ def loss_spike(
     count = accepted.sum()
     # The dim= form: without it, older torch reads the NaN count to the host on CUDA.
     ref = torch.nanmedian(torch.where(accepted, history, float("nan")), dim=0).values  # nan if none
-    usable = (count >= warmup) & torch.isfinite(loss) & (ref > 0)
+    usable = (count >= warmup) & ~not_finite(loss) & (ref > 0)
     spike = usable & (loss > factor * ref) & (loss - ref > min_delta)
     # where() also evaluates the division where ref == 0; its inf/nan is discarded.
     ratio = torch.where(usable, loss / ref, 0.0)
@@ -100,7 +100,7 @@ class SpikeTracker:
         x = loss.detach().to(device=self.history.device, dtype=self.history.dtype).reshape(())
         spike, ratio = loss_spike(x, self.history, self.accepted, factor=self.factor,
                                   min_delta=self.min_delta, warmup=self.warmup)
-        finite = torch.isfinite(x)
+        finite = ~not_finite(x)
         i = self.seen % self.history.shape[0]
         self.history[i] = torch.where(finite, x, 0.0)
         self.accepted[i] = finite

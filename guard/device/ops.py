@@ -16,12 +16,14 @@ from guard.device.compile import compiling
 
 __all__ = [
     "chunk_positions",
+    "flat_positions",
     "logsumexp",
     "logsumexp_rows",
     "mask_padding",
     "mask_padding_",
     "nonfinite_count",
     "nonfinite_positions",
+    "not_finite",
     "one_thread",
     "out_of_range_parts",
     "padding_mass",
@@ -107,7 +109,8 @@ def padding_mass_parts(logits: torch.Tensor, vocab_real: int, *, per_chunk: int 
     """
     lse_real = logsumexp_rows(logits[..., :vocab_real], per_chunk, scratch)
     lse_pad = logsumexp(logits[..., vocab_real:])  # (..., padding): small, no chunks
-    return torch.sigmoid(lse_pad - lse_real).to(torch.float32), lse_real
+    mass = torch.sigmoid(lse_pad - lse_real)
+    return mass if mass.dtype == torch.float32 else mass.to(torch.float32), lse_real
 
 
 def reduction_dtype(t: torch.Tensor) -> torch.dtype:
@@ -125,8 +128,10 @@ def logsumexp(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Ten
     costs more than the arithmetic (docs/benchmarks.md, "Vocabulary size"); a reused one
     does not.
     """
-    m = x.amax(dim=-1, keepdim=True).to(reduction_dtype(x))  # exact: the max is one of x's
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # +-inf / NaN rows: shift by 0
+    m = x.amax(dim=-1, keepdim=True)  # a new tensor; exact: the max is one of x's
+    if m.dtype != (dtype := reduction_dtype(x)):
+        m = m.to(dtype)
+    m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # +-inf / NaN rows: shift by 0
     # x - m is promoted to m's dtype: half logits need no float copy first.
     out = None if scratch is None else scratch[: x.numel()].view(x.shape)
     shifted = x - m if out is None else torch.sub(x, m, out=out)
@@ -182,12 +187,20 @@ def sample_positions_at(flat: torch.Tensor, k: int, offset: torch.Tensor) -> tor
     return flat.index_select(0, idx)
 
 
+def not_finite(t: torch.Tensor) -> torch.Tensor:
+    """Where floating-point t holds NaN or +-Inf, as a bool tensor of t's shape: x - x is
+    exactly 0 for every finite x and NaN for the others. Two ops where torch.isfinite is four
+    (it is composite: x == x and |x| != inf) and a not; the guard's small ops cost 10-20 us
+    of host time each in a step (docs/benchmarks.md)."""
+    return (t - t).ne(0)
+
+
 def nonfinite_count(t: torch.Tensor) -> torch.Tensor:
     """Number of NaN / +-Inf elements of t, as a 0-dim int64 tensor."""
     if not t.is_floating_point():
         return torch.zeros((), dtype=torch.int64, device=t.device)
     with one_thread(t.device):
-        return torch.isfinite(t).logical_not().sum()
+        return not_finite(t).sum()
 
 
 def nonfinite_positions(t: torch.Tensor) -> torch.Tensor:
@@ -198,7 +211,7 @@ def nonfinite_positions(t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point():
         return torch.zeros((), dtype=torch.int64, device=t.device)
     with one_thread(t.device):
-        return torch.isfinite(t.sum(dim=-1, dtype=torch.float32)).logical_not().sum()
+        return not_finite(t.sum(dim=-1, dtype=torch.float32)).sum()
 
 
 # The key of an id and its position (guard/checks/token_range.py), exact in float64.
@@ -206,24 +219,40 @@ _ID_LIMIT = (1 << 53) // POSITIONS
 
 
 def out_of_range_parts(
-    ids: torch.Tensor, vocab_real: int, ignore_index: int | None
+    ids: torch.Tensor, vocab_real: int, ignore_index: int | None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids outside [0, vocab_real), those of them below 0, the highest id >= vocab_real with
     its flat position as one key: id * POSITIONS + position, or 0 when there is none), each
     0-dim: the counts and what the message needs to tell a ghost from a setting and to say
-    where it is."""
+    where it is. `positions`: `flat_positions` of at least ids.numel() (kept by the caller
+    from forward to forward), else made here.
+
+    Each mask is formed once: in a hook, between the model's large ops, a small op costs
+    10-20 us of host time, and this runs on every forward's ids and labels."""
     with one_thread(ids.device):
-        bad = (ids < 0) | (ids >= vocab_real)
+        flat = ids.reshape(-1)
+        below, high = flat < 0, flat >= vocab_real
+        bad = below | high
         if ignore_index is not None:
-            bad &= ids != ignore_index
-        negative = bad & (ids < 0)
-        if not ids.numel():
-            return bad.sum(), negative.sum(), ids.new_zeros((), dtype=torch.int64)
-        flat = ids.reshape(-1).to(torch.int64)
-        position = torch.arange(flat.numel(), device=ids.device).clamp_(max=POSITIONS - 1)
-        key = flat.clamp(max=_ID_LIMIT - 1) * POSITIONS + position  # (n,)
-        top = torch.where(flat >= vocab_real, key, 0).amax()
-        return bad.sum(), negative.sum(), top
+            kept = flat != ignore_index
+            bad &= kept
+            below &= kept
+        n = flat.numel()
+        if not n:
+            return bad.sum(), below.sum(), flat.new_zeros((), dtype=torch.int64)
+        # A new int64 tensor either way (clamp of int64, or the copy of a narrower dtype).
+        key = flat.clamp(max=_ID_LIMIT - 1) if flat.dtype == torch.int64 else \
+            flat.to(torch.int64).clamp_(max=_ID_LIMIT - 1)
+        held = flat_positions(n, ids.device) if positions is None else positions
+        key.mul_(POSITIONS).add_(held[:n] if held.numel() > n else held)
+        top = torch.where(high, key, 0).amax()
+        return bad.sum(), below.sum(), top
+
+
+def flat_positions(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) int64 0, 1, ..., n - 1, clamped at POSITIONS - 1: the positions of a key."""
+    return torch.arange(n, device=device).clamp_(max=POSITIONS - 1)
 
 
 def within_rows(ids: torch.Tensor, rows: int, fill: int, *,
@@ -234,7 +263,7 @@ def within_rows(ids: torch.Tensor, rows: int, fill: int, *,
     bad = ids >= rows
     if negative:
         bad |= ids < 0
-    return torch.where(bad, torch.full_like(ids, fill), ids)
+    return torch.where(bad, fill, ids)  # a Python fill keeps ids' dtype
 
 
 def mask_padding_(logits: torch.Tensor, vocab_real: int) -> torch.Tensor:

@@ -112,6 +112,34 @@ def test_nonfinite_and_out_of_range_counts() -> None:
     assert int(out_of_range_parts(ids, 100, None)[0]) == 5
 
 
+def _out_of_range_reference(ids: list[int], real: int,
+                            ignore: int | None) -> tuple[int, int, int]:
+    """out_of_range_parts in plain Python: (count, negative, id * POSITIONS + position of the
+    highest id >= real, the last position where it repeats; 0 if none)."""
+    from guard.checks.token_range import POSITIONS
+
+    bad = [i for i in ids if (i < 0 or i >= real) and i != ignore]
+    high = [(i, p) for p, i in enumerate(ids) if i >= real]
+    return len(bad), sum(i < 0 for i in bad), max((i * POSITIONS + p for i, p in high),
+                                                   default=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(-120, 140), max_size=40),
+       ignore=st.sampled_from([None, -100, -1, 120]),
+       dtype=st.sampled_from([torch.int64, torch.int32]), held=st.integers(0, 8))
+def test_out_of_range_parts_match_a_plain_reference(ids: list[int], ignore: int | None,
+                                                    dtype: torch.dtype, held: int) -> None:
+    from guard.device.ops import flat_positions
+
+    # With positions made here, or kept from a larger forward (`held` more) and sliced.
+    for positions in (None, flat_positions(len(ids) + held, torch.device("cpu"))):
+        parts = out_of_range_parts(torch.tensor(ids, dtype=dtype).view(-1, 1), 100, ignore,
+                                   positions)
+        assert tuple(int(x) for x in parts) == _out_of_range_reference(ids, 100, ignore)
+        assert all(x.dim() == 0 for x in parts)
+
+
 @settings(max_examples=25, deadline=None)
 @given(real=st.integers(2, 30), extra=st.integers(1, 20), seed=st.integers(0, 2**31 - 1))
 def test_mask_padding_gradient_equals_real_only_gradient(real: int, extra: int,
