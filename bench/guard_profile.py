@@ -9,7 +9,9 @@ guard function that called it (the innermost guard/ frame among its profiler par
 
 Reported: ms a step spent inside ops (the profiler times each op from start to end, so on a
 busy machine, and with threads that wait for each other, an op takes longer than its work),
-for the whole step and per guard function. Uses the public API only: it runs on any tree.
+for the whole step and per guard function, and the ops each guard function calls a step (the
+count tests/guard/device/test_op_budget.py keeps in a budget). Uses the public API only: it
+runs on any tree.
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ def main() -> None:
     g.detach()
     parts: collections.Counter[str] = collections.Counter()
     ops: collections.Counter[tuple[str, str]] = collections.Counter()
+    # Ops called by the guard function itself (not an op's own inner ops): what its Python
+    # issues, each a dispatch that costs host time in a step (tests/guard/device/test_op_budget.py).
+    calls: collections.Counter[str] = collections.Counter()
     total = 0.0
     for event in prof.events():
         if not event.name.startswith("aten::"):  # Python frames and annotations: no work
@@ -96,19 +101,23 @@ def main() -> None:
         where = charged(event)
         if where is not None:
             parts[where] += event.self_cpu_time_total
+            parent = event.cpu_parent
+            if parent is None or not parent.name.startswith("aten::"):
+                calls[where] += 1
             ops[where, event.name] += event.self_cpu_time_total
     per_step = {k: v / args.steps / 1e3 for k, v in parts.items()}
     print(f"guard {guard.__file__}; {torch.get_num_threads()} threads; vocab {args.real} real "
           f"/ {args.rows} rows; batch {args.batch} x {args.block}")
-    print(f"| part | ms a step inside its ops |\n|---|---|\n| the whole step (all ops) | "
-          f"{total / args.steps / 1e3:.1f} |")
-    print(f"| the guard (ops called from guard/) | {sum(per_step.values()):.1f} |")
+    print(f"| part | ms a step inside its ops | ops it calls a step |\n|---|---|---|\n"
+          f"| the whole step (all ops) | {total / args.steps / 1e3:.1f} | |")
+    print(f"| the guard (ops called from guard/) | {sum(per_step.values()):.1f} | "
+          f"{sum(calls.values()) / args.steps:.0f} |")
     for where, ms in sorted(per_step.items(), key=lambda kv: -kv[1]):
         if ms >= 0.05:
-            print(f"| `{where}` | {ms:.2f} |")
+            print(f"| `{where}` | {ms:.2f} | {calls[where] / args.steps:.0f} |")
             for (at, op), us in sorted(ops.items(), key=lambda kv: -kv[1]):
                 if args.ops and at == where and us / args.steps >= 20:
-                    print(f"| &nbsp;&nbsp;`{op}` | {us / args.steps / 1e3:.2f} |")
+                    print(f"| &nbsp;&nbsp;`{op}` | {us / args.steps / 1e3:.2f} | |")
 
 
 if __name__ == "__main__":
