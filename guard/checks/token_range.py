@@ -15,7 +15,7 @@ __all__ = ["INPUT", "LABEL", "NEGATIVE", "POSITIONS", "SLOTS", "SPEC", "TOP", "W
 
 # An id >= real and where it was, as one number a slot can max-combine over micro-batches
 # and ranks and a float64 holds exactly: id * POSITIONS + its flat position in the forward's
-# ids (guard/device/ops.py: out_of_range_parts); 0: none.
+# ids (guard/device/id_ops.py: out_of_range_parts); 0: none.
 POSITIONS = 1 << 24
 
 INPUT = Slot("token_range.input")  # input ids outside [0, real)

@@ -85,10 +85,10 @@ class Flags:
 
     def _slot(self, slot: Slot) -> torch.Tensor:
         """The 0-dim view of `slot` in t, made once for every slot (one unbind) while t stays
-        the same tensor: a put or a mark is then one op, not two. In context, between the
-        model's large ops, each small op costs 10-20 us of host time, and the puts were a
-        fifth of the guard's ops a step (docs/benchmarks.md). Traced, a fresh view: cached
-        views would be graph inputs aliasing t."""
+        the same tensor: a put or a mark is then one op, not two. In a step, between the
+        model's large ops, a small op costs several microseconds of host time, and the puts
+        were a fifth of the guard's ops a step (docs/benchmarks.md, "Fewer ops a step").
+        Traced, a fresh view: cached views would be graph inputs aliasing t."""
         if compiling():
             return self.t[self.layout.index[slot]]
         if self._views is None:

@@ -17,9 +17,9 @@ from guard.device.compile import compiling
 from guard.device.dtensors import local, rewrap
 from guard.device.flags import Flags
 from guard.device.hooks import Handle, hook
+from guard.device.id_ops import flat_positions, out_of_range_parts, within_rows
 from guard.device.labels import LabelsArg
 from guard.device.logits import ProbeConfig
-from guard.device.ops import flat_positions, out_of_range_parts, within_rows
 from guard.device.watched import Watched
 from guard_server.wire import ID_KINDS, IdKind
 

@@ -2,10 +2,10 @@
 the device ops the guard adds to a training step, against a budget, and no host read inside it.
 
 Why a count: on the CPU, between the model's large ops, each of the guard's small ops costs
-10-20 us of host time (its kernel's code and data are cold again), so their number is most of
-what the guard's hooks cost beyond the two reads that are the checks themselves (the sample's
-logsumexp, the gradients' norms): docs/benchmarks.md, "The default policy's 1.01x". A change
-that adds ops to every step fails here and has to say why in the budget below.
+several microseconds of host time (its kernel's code and data are cold again), so their number
+is most of what the guard's hooks cost beyond the two reads that are the checks themselves
+(the sample's logsumexp, the gradients' norms): docs/benchmarks.md, "Fewer ops a step". A
+change that adds ops to every step fails here and has to say why in the budget below.
 
 The step is the bench model's shape at a small size: 1024 positions a forward, so the sample
 is 32 of them and issue 39's hottest rows are measured beside it, AdamW, the default policy.

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guard import padding_mass
-from guard.device.ops import mask_padding_, nonfinite_count, out_of_range_parts, sample_positions
+from guard.device.id_ops import out_of_range_parts
+from guard.device.ops import mask_padding_, nonfinite_count, sample_positions
 
 
 def seed_logits(draws: int) -> torch.Tensor:
@@ -130,7 +131,7 @@ def _out_of_range_reference(ids: list[int], real: int,
        dtype=st.sampled_from([torch.int64, torch.int32]), held=st.integers(0, 8))
 def test_out_of_range_parts_match_a_plain_reference(ids: list[int], ignore: int | None,
                                                     dtype: torch.dtype, held: int) -> None:
-    from guard.device.ops import flat_positions
+    from guard.device.id_ops import flat_positions
 
     # With positions made here, or kept from a larger forward (`held` more) and sliced.
     for positions in (None, flat_positions(len(ids) + held, torch.device("cpu"))):
