@@ -210,6 +210,8 @@ def test_a_32nd_of_a_forwards_positions_is_sampled_and_fits_one_chunk() -> None:
         assert chunk_positions(rows, cpu, n) >= sample_size(n, 256)
         # Exact mode: chunks of a sixteenth of the forward (or 8 MB, where that is more).
         assert chunk_positions(rows, cpu, n) == max(n // CHUNK_SHARE, (1 << 21) // rows, 1)
+        # A sample (one thread) goes in chunks of at most 4 MB of float32, for the cache.
+        assert chunk_positions(rows, cpu, n, sample=True) == max(1, (1 << 20) // rows)
 
 
 def test_the_guards_ops_run_in_one_thread_on_the_cpu_and_the_count_comes_back() -> None:
