@@ -249,3 +249,17 @@ def test_a_guarded_step_leaves_the_thread_count_as_it_found_it() -> None:
         assert seen == [2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_not_finite_is_torch_isfinite_negated(dtype: torch.dtype) -> None:
+    from guard.device.ops import not_finite
+
+    info = torch.finfo(dtype)
+    inf, nan = float("inf"), float("nan")
+    t = torch.tensor([0.0, -0.0, 1.0, -1.0, nan, inf, -inf, info.max, -info.max, info.tiny,
+                      info.tiny / 4, info.eps], dtype=dtype)  # tiny / 4: a subnormal
+    found = not_finite(t)
+    assert found.dtype == torch.bool
+    assert found.tolist() == torch.isfinite(t).logical_not().tolist()
+    assert found.tolist() == [False] * 4 + [True] * 3 + [False] * 5
