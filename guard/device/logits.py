@@ -195,9 +195,8 @@ class Logits:
         real = c.real_columns
         if positions.shape[0] == 0:  # an empty batch: nothing seen, nothing to count
             return
+        per_chunk = chunk_positions(c.columns, positions.device, forward, sample=not c.exact)
         if self.sharded is not None:  # its figures are the whole vocab's, at the read
-            per_chunk = chunk_positions(c.columns, positions.device, forward,
-                                        sample=not c.exact)
             with nullcontext() if c.exact else one_thread(positions.device):
                 parts = shard_parts(positions, real, per_chunk,
                                     self._scratch(positions, per_chunk))
@@ -206,8 +205,6 @@ class Logits:
                 f.put(nonfinite.LOGITS, nonfinite_count(parts[0]))
             return
         if c.padding_mass and real < c.columns:
-            per_chunk = chunk_positions(c.columns, positions.device, forward,
-                                        sample=not c.exact)
             # A sample is a 32nd of the forward: one thread does it without waiting on
             # others (ops.one_thread); every position (exact) is worth the threads.
             with nullcontext() if c.exact else one_thread(positions.device):

@@ -46,8 +46,9 @@ CHUNK_SHARE = 16
 # megabytes is mapped and page-faulted anew, and every large op is a parallel region whose
 # threads wait for each other (on a busy machine, for the scheduler): the chunks go through
 # one reused buffer (guard/device/logits.py), as few as fit 1/CHUNK_SHARE of the forward's
-# logits, so a sample is one chunk. On CUDA the caching allocator has neither cost, so chunks
-# only bound memory in exact (all-token) mode: 1024 x rows.
+# logits (a sample, on one thread, has cache-sized chunks instead: SAMPLE_CHUNK_ELEMENTS). On
+# CUDA the caching allocator has neither cost, so chunks only bound memory in exact
+# (all-token) mode: 1024 x rows.
 CPU_CHUNK_ELEMENTS = 1 << 21
 # Elements per chunk of a sample's reduction on the CPU, at most: it runs in one thread (no
 # parallel region to amortise), so its chunks are sized for the cache, where the passes of

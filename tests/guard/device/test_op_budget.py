@@ -74,11 +74,13 @@ def ops_a_step(guarded: bool) -> collections.Counter[str]:
 @pytest.fixture(scope="module")
 def counted() -> tuple[collections.Counter[str], collections.Counter[str]]:
     """(the guarded step's ops, the unguarded step's)."""
-    logging.getLogger("guard").setLevel(logging.ERROR)  # the tiny model's padding mass warns
+    logger = logging.getLogger("guard")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # the tiny model's padding mass warns
     try:
         return ops_a_step(True), ops_a_step(False)
     finally:
-        logging.getLogger("guard").setLevel(logging.NOTSET)
+        logger.setLevel(level)
 
 
 def test_the_default_policy_adds_at_most_its_budget_of_ops_a_step(

@@ -198,7 +198,7 @@ def test_chunks_through_a_scratch_buffer_give_the_same_figures(dtype: torch.dtyp
     assert torch.allclose(lse.double(), exact, rtol=1e-6, equal_nan=True)
 
 
-def test_a_32nd_of_a_forwards_positions_is_sampled_and_fits_one_chunk() -> None:
+def test_a_32nd_of_a_forwards_positions_is_sampled_and_the_chunks_are_sized() -> None:
     from guard.device.ops import CHUNK_SHARE, chunk_positions, sample_size
 
     assert [sample_size(n, 256) for n in (1, 31, 32, 1024, 8192, 65536)] == [1, 1, 1, 32,
@@ -206,7 +206,7 @@ def test_a_32nd_of_a_forwards_positions_is_sampled_and_fits_one_chunk() -> None:
     assert sample_size(1024, 8) == 8  # sample_tokens, where fewer
     cpu = torch.device("cpu")
     for rows, n in ((151936, 1024), (50304, 8192), (128, 64)):
-        # The sample is one chunk, so a forward's measure is a few large ops, not dozens.
+        # An exact-mode chunk holds as many positions as a sample: a few large ops, not dozens.
         assert chunk_positions(rows, cpu, n) >= sample_size(n, 256)
         # Exact mode: chunks of a sixteenth of the forward (or 8 MB, where that is more).
         assert chunk_positions(rows, cpu, n) == max(n // CHUNK_SHARE, (1 << 21) // rows, 1)
