@@ -4,19 +4,26 @@ optimizer's step hooks), per step. No baseline arm: what overhead.py's ratios ca
 on a noisy machine (their run-to-run spread, +-1% of a 900 ms step, is more than a millisecond
 of the guard's work), this measures directly, on one thread so that CPU time is work.
 
+`--clock wall`: the hooks' wall time instead (at `--threads 2`, what they add to a step of the
+model's two threads); the backward of the padding mask (guard/device/ops.py `_MaskPadding`, in
+the engine, no hook) is timed too where the tree has it.
+
 What it leaves out: what the guard's work does to the model's own ops (caches, the
 allocator), which only the paired ratios of overhead.py and step_anatomy.py see.
 
     python bench/hook_time.py --steps 20
+    python bench/hook_time.py --steps 20 --threads 2 --clock wall
     cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/old/server python /work/main/bench/hook_time.py
 
-Uses the public API and torch's hook dicts only: it runs on any tree.
+Uses the public API and torch's hook dicts (and the mask's Function, where there is one): it
+runs on any tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import logging
 import statistics
 import time
@@ -28,18 +35,29 @@ import torch
 import guard
 from guard.demo.model import GPT, GPTConfig
 
+CLOCKS: dict[str, Callable[[], float]] = {"thread": time.thread_time, "wall": time.perf_counter}
 
-def timed(fn: Callable[..., Any], name: str, spent: dict[str, float]) -> Callable[..., Any]:
-    """`fn` adding its thread time to spent[name] at each call."""
+
+def timed(fn: Callable[..., Any], name: str, spent: dict[str, float],
+          clock: Callable[[], float] = time.thread_time) -> Callable[..., Any]:
+    """`fn` adding its time by `clock` to spent[name] at each call."""
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        start = time.thread_time()
+        start = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent[name] += time.thread_time() - start
+            spent[name] += clock() - start
 
     return hook
+
+
+def time_mask_backward(spent: dict[str, float], clock: Callable[[], float]) -> None:
+    """Time the padding mask's backward, which the autograd engine calls (no hook sees it)."""
+    fn = getattr(importlib.import_module("guard.device.ops"), "_MaskPadding", None)
+    if fn is not None:
+        fn.backward = staticmethod(timed(fn.backward, "engine: _MaskPadding.backward", spent,
+                                         clock))
 
 
 def main() -> None:
@@ -47,7 +65,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="thread")
     args = p.parse_args()
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     logging.getLogger("guard").setLevel(logging.ERROR)
     torch.manual_seed(0)
@@ -58,10 +78,12 @@ def main() -> None:
     for name, module in model.named_modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
             for key, fn in list(hooks.items()):
-                hooks[key] = timed(fn, f"{name or 'model'}: {fn.__qualname__}", spent)
+                hooks[key] = timed(fn, f"{name or 'model'}: {fn.__qualname__}", spent,
+                                   clock)
     for hooks in (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks):
         for key, fn in list(hooks.items()):
-            hooks[key] = timed(fn, f"optimizer: {fn.__qualname__}", spent)
+            hooks[key] = timed(fn, f"optimizer: {fn.__qualname__}", spent, clock)
+    time_mask_backward(spent, clock)
     gen = torch.Generator().manual_seed(0)
     per_step: list[float] = []
     per_hook: dict[str, list[float]] = collections.defaultdict(list)
@@ -79,7 +101,8 @@ def main() -> None:
                     per_hook[name].append(s)
     finally:
         g.detach()
-    print(f"guard {guard.__file__}; {args.threads} thread(s); {args.steps} steps")
+    print(f"guard {guard.__file__}; {args.threads} thread(s); {args.steps} steps; "
+          f"{args.clock} time")
     print(f"the guard's hooks: {1e3 * statistics.median(per_step):.2f} ms a step (median; "
           f"mean {1e3 * statistics.mean(per_step):.2f})")
     for name, values in sorted(per_hook.items(), key=lambda kv: -statistics.median(kv[1])):

@@ -12,7 +12,9 @@ median step time (forward, backward, AdamW) of each arm over the baseline's medi
 
 Arms: default policy, mask, all checks warn, exact padding mass, the default policy reading
 before each update (`sync-fail`: `cadence.fail_read: before_update`, today's synchronous fail),
-and the anchors torch.autograd.detect_anomaly() and transformers' DebugUnderflowOverflow.
+and the anchors torch.autograd.detect_anomaly() and transformers' DebugUnderflowOverflow;
+`copy` (asked for by name), an unguarded copy of the baseline: the A/A control, whose ratios
+are what the run cannot resolve.
 `--fused`: each arm beside its twin with a fused AdamW (`NAME+fused`, against
 `baseline+fused`), whose found_inf lets fail/skip drop a bad update on the device. Peak memory
 with and without the mask is measured in child processes (one arm each).
@@ -60,6 +62,9 @@ HEAD_DOMINATED = {"n_layer": 2, "n_embd": 64, "n_head": 2}  # the sweep's model
 QUIET = {"export": {"serve": None}}
 ARMS: dict[str, dict[str, Any] | str | None] = {
     "baseline": None,
+    # An unguarded copy of the baseline: the A/A control. Its ratios are the run's noise floor
+    # (different memory, the same work), what no other arm's ratio can be told apart from.
+    "copy": None,
     "default": {},
     "mask": {"checks": {"padding_mass": {"action": "mask"}, "nonfinite": {"action": "warn"},
                         "token_range": {"action": "warn"}, "loss_spike": {"action": "off"}}},
@@ -262,7 +267,7 @@ def main() -> None:
         memory_child(args)
         return
     names = args.arms.split(",") if args.arms else (
-        ["baseline", "default"] if args.sweep else list(ARMS))
+        ["baseline", "default"] if args.sweep else [n for n in ARMS if n != "copy"])
     if "baseline" not in names:
         names.insert(0, "baseline")
     if args.fused:
