@@ -1,8 +1,11 @@
 """Training-step overhead of the guard, as ratios against an unguarded baseline run side by side.
 
 Every arm trains its own copy of one GPT-style model (same init, same batches); the arms take
-turns step by step in one process, so drift in the machine hits all of them alike. Reported:
-median step time (forward, backward, AdamW) of each arm over the baseline's median.
+turns step by step in one process (`in_turn`), so drift in the machine hits all of them
+alike. Reported: median step time (forward, backward, AdamW) of each arm over the baseline's
+median, and the paired ratios (`paired_ratio`). Each model copy has a speed of its own in a
+process (the `copy` arm's A/A ratios range 0.98x-1.013x): a figure held against 1% needs many
+processes, `bench/overhead_runs.py`.
 
     python bench/overhead.py                      # CPU default, a few minutes on 2 cores
     python bench/overhead.py --device cuda --n-embd 768 --n-layer 12 --batch 8 --block 1024
@@ -40,7 +43,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,6 +51,7 @@ import torch
 import guard
 from guard.demo.model import GPT, GPTConfig
 
+T = TypeVar("T")
 REAL, ROWS = 50257, 50304  # GPT-2's tokenizer, padded to a multiple of 64
 # (what, real ids, rows). Heads without padding rows of their own get 64, so every size
 # measures the padding mass: the guard's costliest case.
@@ -135,6 +139,15 @@ def batches(
         yield x[:, :-1], x[:, 1:]
 
 
+def in_turn(arms: list[T], i: int) -> list[T]:
+    """Round i's order, rotated so that every arm takes every place in a round equally often:
+    a step's time depends on what ran just before it (caches, the allocator), and under a
+    reversal the middle arms never went first or last, which biased them against the baseline
+    (an unguarded copy read 0.994x)."""
+    k = i % len(arms)
+    return arms[k:] + arms[:k]
+
+
 def run_interleaved(args: argparse.Namespace, names: list[str], real: int = REAL,
                     rows: int = ROWS, shape: dict[str, int] | None = None) -> dict[str, Arm]:
     """The arms after their timed steps; `shape` (n_layer, n_embd, n_head) overrides the
@@ -148,8 +161,7 @@ def run_interleaved(args: argparse.Namespace, names: list[str], real: int = REAL
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     data = batches(args.warmup + args.steps, args.batch, args.block, args.device, real=real)
     for i, (x, y) in enumerate(data):
-        order = arms if i % 2 == 0 else arms[::-1]  # alternate who goes first
-        for arm in order:
+        for arm in in_turn(arms, i):
             arm.step(x, y, sync, args.clip)
         if i == args.warmup - 1:
             for arm in arms:
@@ -161,11 +173,23 @@ def run_interleaved(args: argparse.Namespace, names: list[str], real: int = REAL
     return {a.name: a for a in arms}
 
 
-def paired_ratio(base: list[float], arm: list[float]) -> float:
-    """1 + the median of the per-round differences over the baseline's median step: a round's
-    steps run back to back, so a machine that slows down for a while slows both."""
-    added = statistics.median(a - b for a, b in zip(arm, base, strict=True))
-    return 1.0 + added / statistics.median(base)
+def cycle_added(base: list[float], arm: list[float], cycle: int) -> float:
+    """The median difference per step over whole cycles of `cycle` rounds (`in_turn`'s, one
+    for each arm): in a cycle every arm took every place once, so a cycle's difference holds
+    no effect of the places, where a single round's does (with three arms the rounds'
+    differences are three places' effects, whose median is one of them, not zero)."""
+    n = min(len(base), len(arm)) // cycle * cycle
+    if n == 0:
+        raise ValueError(f"fewer steps ({len(base)}) than a cycle of {cycle} rounds")
+    return statistics.median(sum(arm[i:i + cycle]) - sum(base[i:i + cycle])
+                             for i in range(0, n, cycle)) / cycle
+
+
+def paired_ratio(base: list[float], arm: list[float], cycle: int = 2) -> float:
+    """1 + the median difference per step over cycles of rounds (`cycle_added`; `cycle`: the
+    number of arms run together, at least 2) over the baseline's median step: a cycle's steps
+    run close together, so a machine that slows down for a while slows both."""
+    return 1.0 + cycle_added(base, arm, max(cycle, 2)) / statistics.median(base)
 
 
 def peak_memory(args: argparse.Namespace, name: str) -> float:
@@ -221,15 +245,16 @@ def sweep(args: argparse.Namespace, names: list[str]) -> str:
             continue
         arms = run_interleaved(args, names, real, rows, HEAD_DOMINATED)
         base = arms["baseline"]
-        cells = " | ".join(f"**{paired_ratio(base.times, arms[n].times):.3f}x** | "
-                           f"{paired_ratio(base.cpu, arms[n].cpu):.3f}x" for n in guarded)
+        c = len(arms)
+        cells = " | ".join(f"**{paired_ratio(base.times, arms[n].times, c):.3f}x** | "
+                           f"{paired_ratio(base.cpu, arms[n].cpu, c):.3f}x" for n in guarded)
         step = statistics.median(base.times) * 1e3
         lines.append(f"| {what} | {real:,} / {rows:,} | {step:.1f} | {cells} |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -258,15 +283,19 @@ def main() -> None:
     p.add_argument("--fused", action="store_true",
                    help="each arm beside its twin with a fused AdamW (NAME+fused)")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def setup(args: argparse.Namespace) -> None:
     # Arms with warn/mask log each violation; the figures are the output here.
     logging.getLogger("guard").setLevel(logging.ERROR)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.memory_child:
-        memory_child(args)
-        return
-    names = args.arms.split(",") if args.arms else (
+
+
+def arm_names(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
+    """The arms to run, the baseline first (and its fused twin with --fused)."""
+    names: list[str] = args.arms.split(",") if args.arms else (
         ["baseline", "default"] if args.sweep else [n for n in ARMS if n != "copy"])
     if "baseline" not in names:
         names.insert(0, "baseline")
@@ -275,6 +304,26 @@ def main() -> None:
     unknown = {n.removesuffix("+fused") for n in names} - set(ARMS)
     if unknown:
         p.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    if args.steps < len(names):  # the ratios are taken over cycles of len(names) rounds
+        p.error(f"--steps {args.steps}: fewer than the {len(names)} arms (ratios are taken "
+                f"over cycles of one round an arm)")
+    return names
+
+
+def base_of(n: str, arms: dict[str, Arm]) -> str:
+    """The arm `n` is compared with: a fused arm against the fused baseline."""
+    return "baseline+fused" if n.endswith("+fused") and "baseline+fused" in arms else \
+        "baseline"
+
+
+def main() -> None:
+    p = parser()
+    args = p.parse_args()
+    setup(args)
+    if args.memory_child:
+        memory_child(args)
+        return
+    names = arm_names(args, p)
     cmd = "python bench/overhead.py " + " ".join(sys.argv[1:])
     load_before = os.getloadavg()[0]
     if args.sweep:
@@ -284,8 +333,9 @@ def main() -> None:
                 f"Command: `{cmd.strip()}` (model: {HEAD_DOMINATED['n_layer']} layers, "
                 f"d={HEAD_DOMINATED['n_embd']}, tied, batch {args.batch} x {args.block} tokens; "
                 f"{args.steps} timed steps per arm and size after {args.warmup} warm-up, "
-                "interleaved; ratios: 1 + the median per-round difference over the baseline's "
-                "median step, of wall time and of process CPU time)."
+                "interleaved; ratios: 1 + the median difference a step over cycles of rounds "
+                "(every arm in every place once) over the baseline's median step, of wall time "
+                "and of process CPU time)."
                 f"\n\n{table}\n")
         print(text)
         if args.write:
@@ -294,18 +344,15 @@ def main() -> None:
     arms = run_interleaved(args, names)
     med = {n: statistics.median(a.times) for n, a in arms.items()}
 
-    def base_of(n: str) -> str:  # a fused arm against the fused baseline
-        return "baseline+fused" if n.endswith("+fused") and "baseline+fused" in arms else \
-            "baseline"
-
-    added = {n: med[n] - med[base_of(n)] for n in names}
+    added = {n: med[n] - med[base_of(n, arms)] for n in names}
     # The paired ratios compare each round's steps, run back to back: what a drifting or busy
     # machine does to both cancels out; process CPU time is what load cannot inflate.
     lines = ["| arm | median step (ms) | ratio of medians | paired wall-time ratio | "
              "paired CPU-time ratio |", "|---|---|---|---|---|"]
-    lines += [f"| {n} | {med[n] * 1e3:.1f} | {med[n] / med[base_of(n)]:.3f}x | "
-              f"{paired_ratio(arms[base_of(n)].times, arms[n].times):.3f}x | "
-              f"{paired_ratio(arms[base_of(n)].cpu, arms[n].cpu):.3f}x |" for n in names]
+    lines += [f"| {n} | {med[n] * 1e3:.1f} | {med[n] / med[base_of(n, arms)]:.3f}x | "
+              f"{paired_ratio(arms[base_of(n, arms)].times, arms[n].times, len(arms)):.3f}x | "
+              f"{paired_ratio(arms[base_of(n, arms)].cpu, arms[n].cpu, len(arms)):.3f}x |"
+              for n in names]
     if "detect_anomaly" in med and "default" in med:
         da, dflt = added["detect_anomaly"], added["default"]
         lines.append("")

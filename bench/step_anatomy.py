@@ -3,8 +3,8 @@
 baseline and guarded arms interleaved step by step in one process, and each step cut into
 forward, backward, the loop's clip (`--clip`), the guard's step pre-hook (the gradient check
 and the read), AdamW's own update, zero_grad, and the cyclic garbage collector's time inside
-the step. Per phase: 1 + the
-median per-round difference over the baseline's median step (paired, as overhead.py), in the
+the step. Per phase: the median difference a step over cycles of rounds (every arm in every
+place once) over the baseline's median step (paired, as overhead.py), in the
 main thread's CPU time (`time.thread_time`; with one torch thread, the step's work, which a
 busy machine inflates less than wall time) and in wall time; and the minor page faults each
 phase adds (fresh pages from the allocator, zeroed by the kernel: a count load cannot move).
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from overhead import cycle_added, in_turn  # bench/ is sys.path[0] when this runs as a script
 
 import guard
 from guard.demo.model import GPT, GPTConfig
@@ -117,15 +118,10 @@ class Arm:
         self.wall["gc"].append(spent)
 
 
-def paired(base: list[float], arm: list[float], step: list[float]) -> float:
-    """The median per-round difference over the baseline's median step."""
-    return statistics.median(a - b for a, b in zip(arm, base, strict=True)) / \
-        statistics.median(step)
-
-
-def added(base: list[float], arm: list[float]) -> float:
-    """The median per-round difference (a count)."""
-    return statistics.median(a - b for a, b in zip(arm, base, strict=True))
+def paired(base: list[float], arm: list[float], step: list[float], cycle: int) -> float:
+    """The median difference per step over whole cycles of rounds (overhead.cycle_added) over
+    the baseline's median step."""
+    return cycle_added(base, arm, cycle) / statistics.median(step)
 
 
 def main() -> None:
@@ -155,7 +151,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for i in range(args.warmup + args.steps):
         x = torch.randint(0, real, (args.batch, args.block + 1), generator=g)
-        for arm in arms if i % 2 == 0 else arms[::-1]:
+        for arm in in_turn(arms, i):
             arm.step(x[:, :-1], x[:, 1:], args.clip)
         if i == args.warmup - 1:
             for arm in arms:
@@ -172,9 +168,10 @@ def main() -> None:
           + " |")
     print("|---|" + "---|" * (len(arms) - 1))
     for phase in PHASES:
-        cells = [f"{paired(b.cpu[phase], a.cpu[phase], b.cpu['step']) * 100:+.2f}% / "
-                 f"{paired(b.wall[phase], a.wall[phase], b.wall['step']) * 100:+.2f}% / "
-                 f"{added(b.faults[phase], a.faults[phase]):+.0f}"
+        c = max(len(arms), 2)
+        cells = [f"{paired(b.cpu[phase], a.cpu[phase], b.cpu['step'], c) * 100:+.2f}% / "
+                 f"{paired(b.wall[phase], a.wall[phase], b.wall['step'], c) * 100:+.2f}% / "
+                 f"{cycle_added(b.faults[phase], a.faults[phase], c):+.0f}"
                  for a in arms[1:]]
         print(f"| {phase} | " + " | ".join(cells) + " |")
     for a in arms:
