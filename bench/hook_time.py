@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import logging
 import statistics
 import time
@@ -54,7 +53,9 @@ def timed(fn: Callable[..., Any], name: str, spent: dict[str, float],
 
 def time_mask_backward(spent: dict[str, float], clock: Callable[[], float]) -> None:
     """Time the padding mask's backward, which the autograd engine calls (no hook sees it)."""
-    fn = getattr(importlib.import_module("guard.device.ops"), "_MaskPadding", None)
+    import guard.device.ops
+
+    fn = getattr(guard.device.ops, "_MaskPadding", None)
     if fn is not None:
         fn.backward = staticmethod(timed(fn.backward, "engine: _MaskPadding.backward", spent,
                                          clock))

@@ -192,6 +192,20 @@ def paired_ratio(base: list[float], arm: list[float], cycle: int = 2) -> float:
     return 1.0 + cycle_added(base, arm, max(cycle, 2)) / statistics.median(base)
 
 
+def base_of(n: str, arms: dict[str, Arm]) -> str:
+    """The arm `n` is compared with: a fused arm against the fused baseline."""
+    return "baseline+fused" if n.endswith("+fused") and "baseline+fused" in arms else \
+        "baseline"
+
+
+def ratios(arms: dict[str, Arm], n: str) -> tuple[float, float]:
+    """Arm n's paired (wall-time, CPU-time) ratios against its baseline (`base_of`), over
+    cycles of one round an arm."""
+    base, arm = arms[base_of(n, arms)], arms[n]
+    return (paired_ratio(base.times, arm.times, len(arms)),
+            paired_ratio(base.cpu, arm.cpu, len(arms)))
+
+
 def peak_memory(args: argparse.Namespace, name: str) -> float:
     """Peak memory (MiB) of a child process training one arm: CUDA allocator peak, or RSS."""
     cmd = [sys.executable, __file__, "--memory-child", name, "--device", args.device,
@@ -244,11 +258,9 @@ def sweep(args: argparse.Namespace, names: list[str]) -> str:
         if args.only and str(real) not in args.only.split(","):
             continue
         arms = run_interleaved(args, names, real, rows, HEAD_DOMINATED)
-        base = arms["baseline"]
-        c = len(arms)
-        cells = " | ".join(f"**{paired_ratio(base.times, arms[n].times, c):.3f}x** | "
-                           f"{paired_ratio(base.cpu, arms[n].cpu, c):.3f}x" for n in guarded)
-        step = statistics.median(base.times) * 1e3
+        cells = " | ".join(f"**{wall:.3f}x** | {cpu:.3f}x"
+                           for wall, cpu in (ratios(arms, n) for n in guarded))
+        step = statistics.median(arms["baseline"].times) * 1e3
         lines.append(f"| {what} | {real:,} / {rows:,} | {step:.1f} | {cells} |")
         print(lines[-1], flush=True)
     return "\n".join(lines)
@@ -310,12 +322,6 @@ def arm_names(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]
     return names
 
 
-def base_of(n: str, arms: dict[str, Arm]) -> str:
-    """The arm `n` is compared with: a fused arm against the fused baseline."""
-    return "baseline+fused" if n.endswith("+fused") and "baseline+fused" in arms else \
-        "baseline"
-
-
 def main() -> None:
     p = parser()
     args = p.parse_args()
@@ -349,10 +355,10 @@ def main() -> None:
     # machine does to both cancels out; process CPU time is what load cannot inflate.
     lines = ["| arm | median step (ms) | ratio of medians | paired wall-time ratio | "
              "paired CPU-time ratio |", "|---|---|---|---|---|"]
-    lines += [f"| {n} | {med[n] * 1e3:.1f} | {med[n] / med[base_of(n, arms)]:.3f}x | "
-              f"{paired_ratio(arms[base_of(n, arms)].times, arms[n].times, len(arms)):.3f}x | "
-              f"{paired_ratio(arms[base_of(n, arms)].cpu, arms[n].cpu, len(arms)):.3f}x |"
-              for n in names]
+    for n in names:
+        wall, cpu = ratios(arms, n)
+        lines.append(f"| {n} | {med[n] * 1e3:.1f} | {med[n] / med[base_of(n, arms)]:.3f}x | "
+                     f"{wall:.3f}x | {cpu:.3f}x |")
     if "detect_anomaly" in med and "default" in med:
         da, dflt = added["detect_anomaly"], added["default"]
         lines.append("")

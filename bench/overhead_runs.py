@@ -32,11 +32,11 @@ def child(argv: list[str]) -> None:
     args = p.parse_args(argv)
     overhead.setup(args)
     arms = overhead.run_interleaved(args, overhead.arm_names(args, p))
-    c = len(arms)
-    out = {n: {"cpu": overhead.paired_ratio(arms[b].cpu, a.cpu, c),
-               "wall": overhead.paired_ratio(arms[b].times, a.times, c),
-               "step_ms": statistics.median(a.times) * 1e3}
-           for n, a in arms.items() if (b := overhead.base_of(n, arms)) != n}
+    out: dict[str, dict[str, float]] = {}
+    for n, a in arms.items():
+        if overhead.base_of(n, arms) != n:  # not a baseline
+            wall, cpu = overhead.ratios(arms, n)
+            out[n] = {"cpu": cpu, "wall": wall, "step_ms": statistics.median(a.times) * 1e3}
     print(json.dumps(out))
 
 
